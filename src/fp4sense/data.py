@@ -1,0 +1,88 @@
+"""Calibration / evaluation windows from text files or Hugging Face datasets.
+
+protocol.md: tokenize the joined split with the model's tokenizer (no special tokens),
+cut it into consecutive non-overlapping windows of 512 tokens; calibration uses the first
+32 calibration windows, evaluation the first 16 evaluation windows.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "DataError",
+    "EVAL_WINDOWS",
+    "CALIB_WINDOWS",
+    "WINDOW_TOKENS",
+    "load_text",
+    "make_windows",
+    "protocol_windows",
+]
+
+WINDOW_TOKENS = 512
+CALIB_WINDOWS = 32
+EVAL_WINDOWS = 16
+
+
+class DataError(ValueError):
+    """Text input is missing or too short (says how many tokens are needed)."""
+
+
+def load_text(source: str | os.PathLike | None = None, split: str = "calibration") -> str:
+    """Text from a file, an HF dataset (``dataset:NAME[:CONFIG][:SPLIT]``) or the default.
+
+    With ``source=None`` the bundled State of the Union ``split`` is used (fetched into
+    the cache if missing).
+    """
+    if source is None:
+        from fp4sense.assets import ensure_text
+
+        return ensure_text()[split].read_text(encoding="utf-8")
+    text_source = str(source)
+    if text_source.startswith("dataset:"):
+        return _dataset_text(text_source[len("dataset:"):])
+    path = Path(text_source)
+    if not path.is_file():
+        raise DataError(
+            f"text file {path} not found; pass a text file path or dataset:NAME[:CONFIG][:SPLIT]"
+        )
+    return path.read_text(encoding="utf-8")
+
+
+def _dataset_text(spec: str) -> str:
+    parts = spec.split(":")
+    name = parts[0]
+    config = parts[1] if len(parts) > 1 and parts[1] else None
+    split = parts[2] if len(parts) > 2 else "train"
+    try:
+        import datasets
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise DataError("reading an HF dataset needs the 'datasets' package") from exc
+    ds = datasets.load_dataset(name, config, split=split)
+    column = "text" if "text" in ds.column_names else ds.column_names[0]
+    return "\n\n".join(str(t) for t in ds[column])
+
+
+def make_windows(
+    tokenizer, text: str, n_windows: int, window_tokens: int = WINDOW_TOKENS, what: str = "text"
+) -> torch.Tensor:
+    """The first ``n_windows`` consecutive windows of ``window_tokens`` tokens: (n, T) int64."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    needed = n_windows * window_tokens
+    if len(ids) < needed:
+        raise DataError(
+            f"{what} has {len(ids):,} tokens but {n_windows} windows of {window_tokens} "
+            f"need {needed:,}; give more text or ask for fewer windows"
+        )
+    return torch.tensor(ids[:needed], dtype=torch.long).view(n_windows, window_tokens)
+
+
+def protocol_windows(tokenizer, split: str, n_windows: int | None = None,
+                     source: str | os.PathLike | None = None) -> torch.Tensor:
+    """Windows of the protocol's split (calibration: 32, evaluation: 16 by default)."""
+    n = n_windows or (CALIB_WINDOWS if split == "calibration" else EVAL_WINDOWS)
+    what = str(source) if source is not None else f"the {split} split"
+    return make_windows(tokenizer, load_text(source, split), n, what=what)

@@ -1,0 +1,91 @@
+"""Convert a GGUF model file to a Hugging Face folder that plain transformers loads.
+
+transformers reads GGUF (dequantizing it) with ``gguf_file=``, but refuses to
+``save_pretrained`` a model loaded that way. So the weights are read once, a fresh
+model is built from the config, the state dict loaded into it, and the result saved as
+safetensors with its tokenizer. Works for any architecture transformers' GGUF loader
+knows (Llama, Qwen2/3, Mistral, Gemma, ...).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["GGUFConversionError", "convert_gguf"]
+
+
+class GGUFConversionError(RuntimeError):
+    """The GGUF file could not be converted (names the file and the cause)."""
+
+
+def convert_gguf(
+    gguf_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype = torch.bfloat16,
+    name_or_path: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Convert ``gguf_path`` to an HF folder at ``out_dir`` (safetensors in ``dtype``).
+
+    The folder is written under a temporary name and renamed when complete, so an
+    interrupted conversion never leaves a folder that looks usable.
+
+    :param name_or_path: recorded as the model's ``_name_or_path`` (e.g. the hub id of
+        the original model), since GGUF metadata names are often internal run names
+    :return: the output folder
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    out_dir = Path(out_dir)
+    if not gguf_path.is_file():
+        raise GGUFConversionError(f"GGUF file not found: {gguf_path}")
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise GGUFConversionError(
+            f"output folder {out_dir} exists and is not empty; pass overwrite=True "
+            "(--overwrite) to replace it"
+        )
+    folder, name = str(gguf_path.parent), gguf_path.name
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    except Exception as exc:  # transformers raises many kinds here; name the file once
+        raise GGUFConversionError(f"could not read GGUF file {gguf_path}: {exc}") from exc
+    state = loaded.state_dict()
+    del loaded
+    if name_or_path:
+        # GGUF's general.name is often an internal run name; record the real origin
+        config._name_or_path = name_or_path
+        if hasattr(config, "_model_name_or_path"):
+            config._model_name_or_path = name_or_path
+    config.dtype = dtype
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # tied embeddings legitimately leave lm_head out of the GGUF state dict
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise GGUFConversionError(
+            f"{gguf_path}: tensors do not match the {config.model_type} architecture "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    model.tie_weights()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary folder
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

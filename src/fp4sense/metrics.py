@@ -1,0 +1,80 @@
+"""Damage metrics (protocol.md): KL(base || quant), perplexity, top-1 agreement.
+
+All are over next-token predictions of the evaluation windows: for a window of T tokens
+the first T-1 positions predict the following token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+__all__ = ["Comparison", "compare_models", "logits_of", "perplexity", "window_metrics"]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Quantized model vs its base on the same windows (means over predicted tokens)."""
+
+    kl: float
+    kl_se: float  # standard error of the mean KL over windows
+    ppl: float
+    base_ppl: float
+    top1: float
+    tokens: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.no_grad()
+def logits_of(model, window: torch.Tensor) -> torch.Tensor:
+    """float32 logits (T, vocab) of a (T,) token window."""
+    out = model(input_ids=window.unsqueeze(0).to(model.device))
+    return out.logits[0].to(torch.float32)
+
+
+def window_metrics(
+    base_logits: torch.Tensor, quant_logits: torch.Tensor, window: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Per-token KL, NLLs and agreement for one window (positions 0..T-2)."""
+    base_lp = torch.log_softmax(base_logits[:-1], dim=-1)
+    quant_lp = torch.log_softmax(quant_logits[:-1], dim=-1)
+    target = window[1:].to(base_lp.device)
+    kl = (base_lp.exp() * (base_lp - quant_lp)).sum(-1)
+    return {
+        "kl": kl,
+        "nll": -quant_lp.gather(-1, target[:, None])[:, 0],
+        "base_nll": -base_lp.gather(-1, target[:, None])[:, 0],
+        "agree": (base_lp.argmax(-1) == quant_lp.argmax(-1)).to(torch.float32),
+    }
+
+
+def perplexity(nll: torch.Tensor) -> float:
+    return float(math.exp(nll.double().mean().item()))
+
+
+@torch.no_grad()
+def compare_models(base, quant, windows: torch.Tensor, desc: str = "evaluating") -> Comparison:
+    """KL, PPL and top-1 agreement of ``quant`` against ``base`` over ``windows`` (n, T)."""
+    per_window_kl = []
+    parts: dict[str, list[torch.Tensor]] = {"kl": [], "nll": [], "base_nll": [], "agree": []}
+    for window in tqdm(windows, desc=desc, leave=False):
+        m = window_metrics(logits_of(base, window), logits_of(quant, window), window)
+        for key, value in m.items():
+            parts[key].append(value.cpu())
+        per_window_kl.append(m["kl"].mean().item())
+    cat = {k: torch.cat(v) for k, v in parts.items()}
+    kl_w = torch.tensor(per_window_kl, dtype=torch.float64)
+    se = float(kl_w.std(unbiased=True) / math.sqrt(len(kl_w))) if len(kl_w) > 1 else float("nan")
+    return Comparison(
+        kl=float(cat["kl"].double().mean()),
+        kl_se=se,
+        ppl=perplexity(cat["nll"]),
+        base_ppl=perplexity(cat["base_nll"]),
+        top1=float(cat["agree"].mean()),
+        tokens=int(cat["kl"].numel()),
+    )

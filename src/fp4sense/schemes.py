@@ -1,0 +1,167 @@
+"""The scheme menu: names -> compressed-tensors QuantizationSchemes, and their bit cost.
+
+A *scheme* is a weight format plus activation handling, one compressed-tensors
+``QuantizationScheme``. Most of the menu is compressed-tensors' own preset table; what
+the table lacks (our error-minimizing FP4 variants, the ``INT4`` name) is registered
+into it by :func:`register_presets`, so ``QuantizationModifier(scheme="NVFP4A16_SEARCH")``
+works like any preset once fp4sense is imported.
+
+The ``*_SEARCH`` schemes store exactly the standard ``nvfp4-pack-quantized`` /
+``mxfp4-pack-quantized`` tensors (vLLM loads them unchanged); only the choice of each
+block scale differs: it is searched for the lowest output error instead of taken from
+the block amax. The search itself is an llm-compressor observer
+(``fp4sense_scale_search``) provided by the ``fp4sense-llmcompressor`` plugin.
+"""
+
+from __future__ import annotations
+
+from copy import deepcopy
+from dataclasses import dataclass
+
+import torch
+
+from fp4sense.formats import BITS_PER_BYTE, FLOAT32_BYTES, get_format
+
+__all__ = [
+    "MENU",
+    "SCALE_SEARCH_OBSERVER",
+    "Scheme",
+    "SchemeError",
+    "bits_per_weight",
+    "get_scheme",
+    "register_presets",
+    "to_quantization_scheme",
+]
+
+#: registry name of the scale-search observer (plugins/llmcompressor)
+SCALE_SEARCH_OBSERVER = "fp4sense_scale_search"
+INT4_GROUP_SIZE = 128
+#: pack-quantized INT4 stores a (2,) int64 ``weight_shape`` beside each weight
+INT4_SHAPE_BYTES = 2 * 8
+
+
+class SchemeError(ValueError):
+    """Unknown scheme name (the message lists the menu)."""
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One entry of the menu (a description; functions below act on it)."""
+
+    name: str
+    preset: str | None  # compressed-tensors preset it is built from; None = left alone
+    weight_format: str | None  # nvfp4 | mxfp4 | fp8 | int8 | int4 | None
+    activations: str | None  # fp4 | fp8 | int8 | None (weight-only)
+    scale_search: bool = False
+    description: str = ""
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.weight_format in ("nvfp4", "mxfp4")
+
+    @property
+    def block_size(self) -> int | None:
+        """Input-dimension granularity the weight format needs (None: any size)."""
+        if self.is_fp4:
+            return get_format(self.weight_format).block_size
+        if self.weight_format == "int4":
+            return INT4_GROUP_SIZE
+        return None
+
+
+_MENU_LIST = [
+    Scheme("NVFP4", "NVFP4", "nvfp4", "fp4", description="W4A4 NVFP4 (E4M3 scales / 16)"),
+    Scheme("NVFP4A16", "NVFP4A16", "nvfp4", None, description="NVFP4 weights, 16-bit activations"),
+    Scheme("MXFP4", "MXFP4", "mxfp4", "fp4", description="W4A4 MXFP4 (E8M0 scales / 32)"),
+    Scheme("MXFP4A16", "MXFP4A16", "mxfp4", None, description="MXFP4 weights, 16-bit activations"),
+    Scheme("NVFP4_SEARCH", "NVFP4", "nvfp4", "fp4", True, "NVFP4 with searched block scales"),
+    Scheme("NVFP4A16_SEARCH", "NVFP4A16", "nvfp4", None, True, "NVFP4A16, searched block scales"),
+    Scheme("MXFP4_SEARCH", "MXFP4", "mxfp4", "fp4", True, "MXFP4 with searched block scales"),
+    Scheme("MXFP4A16_SEARCH", "MXFP4A16", "mxfp4", None, True, "MXFP4A16, searched block scales"),
+    Scheme("FP8_DYNAMIC", "FP8_DYNAMIC", "fp8", "fp8", description="FP8 per-channel weights, "
+           "dynamic per-token FP8 activations"),
+    Scheme("INT8", "W8A8", "int8", "int8", description="INT8 W8A8 (per-channel / per-token)"),
+    Scheme("INT4", "W4A16", "int4", None, description="INT4 weights, group 128 (W4A16)"),
+    Scheme("BF16", None, None, None, description="left unquantized"),
+]
+MENU: dict[str, Scheme] = {s.name: s for s in _MENU_LIST}
+
+
+def get_scheme(name: str | Scheme) -> Scheme:
+    """The menu entry called ``name`` (case-insensitive)."""
+    if isinstance(name, Scheme):
+        return name
+    key = str(name).upper()
+    if key not in MENU:
+        raise SchemeError(f"unknown scheme {name!r}; the menu is: {', '.join(MENU)}")
+    return MENU[key]
+
+
+def _preset_args(scheme: Scheme) -> dict:
+    """The keyword arguments of a QuantizationScheme for ``scheme`` (no targets)."""
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    args = deepcopy(PRESET_SCHEMES[scheme.preset])
+    if scheme.scale_search:
+        args["weights"] = args["weights"].model_copy(
+            update={"observer": SCALE_SEARCH_OBSERVER}
+        )
+    return args
+
+
+def to_quantization_scheme(name: str | Scheme, targets: list[str]):
+    """compressed-tensors ``QuantizationScheme`` for ``name``; None for BF16."""
+    from compressed_tensors.quantization import QuantizationScheme
+
+    scheme = get_scheme(name)
+    if scheme.preset is None:
+        return None
+    return QuantizationScheme(targets=targets, **_preset_args(scheme))
+
+
+def register_presets() -> list[str]:
+    """Add the menu names compressed-tensors lacks to its preset table (idempotent).
+
+    :return: the names added by this call
+    """
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    added = []
+    for scheme in MENU.values():
+        if scheme.preset is None or scheme.name in PRESET_SCHEMES:
+            continue
+        PRESET_SCHEMES[scheme.name] = _preset_args(scheme)
+        added.append(scheme.name)
+    return added
+
+
+def bits_per_weight(
+    name: str | Scheme, shape: tuple[int, int], dtype: torch.dtype = torch.bfloat16
+) -> float:
+    """Stored bits per weight of an (out, in) linear under ``name``.
+
+    Counts every tensor compressed-tensors writes for the linear: packed weights,
+    scales (in ``dtype``, the checkpoint's dtype, where the format keeps them there),
+    global scales, the NVFP4 input global scale, INT4's ``weight_shape``.
+    """
+    scheme = get_scheme(name)
+    out_features, in_features = shape
+    n = out_features * in_features
+    dtype_bits = torch.finfo(dtype).bits
+    fmt = scheme.weight_format
+    if fmt is None:
+        return float(dtype_bits)
+    if scheme.is_fp4:
+        f = get_format(fmt)
+        bits = n * 4 + (n // f.block_size) * f.scale_bits
+        if f.has_global_scale:
+            bits += FLOAT32_BYTES * BITS_PER_BYTE
+            if scheme.activations == "fp4":
+                bits += FLOAT32_BYTES * BITS_PER_BYTE  # input_global_scale
+        return bits / n
+    if fmt in ("fp8", "int8"):
+        return (n * 8 + out_features * dtype_bits) / n
+    if fmt == "int4":
+        groups = out_features * (in_features // INT4_GROUP_SIZE)
+        return (n * 4 + groups * dtype_bits + INT4_SHAPE_BYTES * BITS_PER_BYTE) / n
+    raise SchemeError(f"no bit accounting for weight format {fmt!r}")  # pragma: no cover

@@ -1,0 +1,64 @@
+"""Shared fixtures: the bundled assets, a tiny random Llama, the serve environment."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SERVE_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+
+
+@pytest.fixture(scope="session")
+def assets() -> dict[str, Path]:
+    """The bundled SmolLM2 folder and the protocol text splits (fetched if missing)."""
+    from fp4sense.assets import ensure_assets
+
+    return ensure_assets(log=lambda msg: None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_state(assets) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(assets["model"] / "model.safetensors")
+
+
+def make_tiny_llama(path: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Path:
+    """A randomly initialised 2-block Llama saved at ``path`` (fast stand-in for shapes)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=1024, tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, assets) -> Path:
+    path = make_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(assets["model"]).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def serve_python() -> Path:
+    if not SERVE_PYTHON.exists():
+        pytest.fail(f"serve environment missing ({SERVE_PYTHON}); run `make setup`")
+    return SERVE_PYTHON
+
+
+def pytest_configure(config):
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.path.insert(0, str(REPO / "tests"))

@@ -1,0 +1,139 @@
+"""The error-minimizing FP4 schemes: never worse than amax, standard storage, observer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fp4sense import formats as F
+from fp4sense.scale_search import block_errors, search_block_scales
+
+FORMATS = ["nvfp4", "mxfp4"]
+
+
+def _amax_and_search_errors(weight, fmt, importance=None):
+    gs = F.global_scale(weight) if fmt == "nvfp4" else None
+    amax = F.amax_block_scales(weight, fmt, gs)
+    searched = search_block_scales(weight, fmt, gs, importance)
+    return (block_errors(weight, amax, fmt, gs, importance),
+            block_errors(weight, searched, fmt, gs, importance), searched, gs)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_never_higher_mse_than_amax_on_any_block(fmt, dtype):
+    g = torch.Generator().manual_seed(3)
+    for dist in ("normal", "heavy", "uniform"):
+        w = torch.randn(64, 256, generator=g)
+        if dist == "heavy":
+            w = w * torch.rand(64, 256, generator=g).pow(4) * 10
+        elif dist == "uniform":
+            w = torch.rand(64, 256, generator=g) - 0.5
+        err_amax, err_search, _, _ = _amax_and_search_errors(w.to(dtype), fmt)
+        assert bool((err_search <= err_amax).all()), dist
+        assert float(err_search.sum()) < float(err_amax.sum())  # and it does help overall
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_smollm2_linears_never_worse(fmt, smollm2_state):
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight",
+                 "model.layers.14.mlp.up_proj.weight"):
+        err_amax, err_search, _, _ = _amax_and_search_errors(smollm2_state[name], fmt)
+        assert bool((err_search <= err_amax).all()), name
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_importance_weighted_error_never_worse(fmt):
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(32, 128, generator=g)
+    importance = torch.rand(128, generator=g).pow(3) * 5
+    err_amax, err_search, _, _ = _amax_and_search_errors(w, fmt, importance)
+    assert bool((err_search <= err_amax).all())
+
+
+def test_zero_blocks_keep_amax_scale():
+    w = torch.zeros(4, 64)
+    gs = F.global_scale(w)
+    assert same_scales(search_block_scales(w, "nvfp4", gs), F.amax_block_scales(w, "nvfp4", gs))
+
+
+def same_scales(a, b):
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_bad_importance_is_refused():
+    with pytest.raises(ValueError, match="input channels"):
+        search_block_scales(torch.randn(4, 32), "mxfp4", importance=torch.ones(16))
+
+
+def test_searched_scales_store_in_standard_format():
+    """Searched tensors decompress with compressed-tensors' own NVFP4 compressor."""
+    from ct_reference import COMPRESSOR
+    from fp4sense.schemes import to_quantization_scheme
+
+    w = torch.randn(16, 64, dtype=torch.bfloat16)
+    _, _, searched, gs = _amax_and_search_errors(w, "nvfp4")
+    ours = F.compress(w, "nvfp4", gs, scales=searched)
+    scheme = to_quantization_scheme("NVFP4A16_SEARCH", ["Linear"])
+    theirs = COMPRESSOR["nvfp4"].decompress(dict(ours), scheme)["weight"]
+    assert torch.equal(theirs, F.decompress(ours, "nvfp4"))
+
+
+@pytest.mark.parametrize("fmt,scheme", [("nvfp4", "NVFP4A16_SEARCH"), ("mxfp4", "MXFP4A16_SEARCH")])
+def test_observer_uses_calibration_importance(fmt, scheme):
+    """The llm-compressor observer == search_block_scales(weight, E[x^2] of its inputs)."""
+    import fp4sense_llmcompressor  # noqa: F401
+    from llmcompressor.observers import Observer
+
+    from fp4sense.schemes import to_quantization_scheme
+
+    args = to_quantization_scheme(scheme, ["Linear"]).weights
+    linear = torch.nn.Linear(64, 8, bias=False)
+    obs = Observer.load_from_registry(args.observer, base_name="weight", args=args)
+    obs.attach(linear)
+    x = torch.randn(3, 5, 64) * torch.linspace(0.1, 4, 64)
+    linear(x)
+    obs(linear.weight)
+    qparams = obs.get_qparams()
+    importance = x.reshape(-1, 64).square().mean(0)
+    gs = F.global_scale(linear.weight) if fmt == "nvfp4" else None
+    if fmt == "nvfp4":
+        assert torch.equal(qparams["global_scale"], gs)
+    expected = search_block_scales(linear.weight.detach(), fmt, gs, importance)
+    assert torch.equal(qparams["scale"], F.decode_scales(expected, fmt).to(torch.float32)
+                       if fmt == "mxfp4" else expected.to(torch.float32))
+    obs.detach(linear)
+
+
+@pytest.mark.slow
+def test_search_scheme_checkpoint_is_standard_and_never_worse(tiny_llama, tmp_path):
+    """A data-free NVFP4A16_SEARCH oneshot writes plain nvfp4-pack-quantized tensors whose
+    every block has no more weight error than the amax choice."""
+    from safetensors.torch import load_file
+    from test_schemes import _oneshot
+    from transformers import AutoModelForCausalLM
+
+    out = _oneshot(tiny_llama, "NVFP4A16_SEARCH", tmp_path / "ck")
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qcfg["format"] == "nvfp4-pack-quantized"
+    written = load_file(out / "model.safetensors")
+    base = load_file(tiny_llama / "model.safetensors")
+    changed = 0
+    for key in [k for k in written if k.endswith(".weight_packed")]:
+        linear = key[: -len(".weight_packed")]
+        tensors = {k: written[f"{linear}.{k}"] for k in
+                   ("weight_packed", "weight_scale", "weight_global_scale")}
+        w = base[f"{linear}.weight"]
+        amax = F.compress(w, "nvfp4", tensors["weight_global_scale"])
+        e_search = (F.decompress(tensors, "nvfp4", torch.float32) - w.float()).square()
+        e_amax = (F.decompress(amax, "nvfp4", torch.float32) - w.float()).square()
+        blocks = lambda e: e.unflatten(-1, (-1, 16)).sum(-1)  # noqa: E731
+        assert bool((blocks(e_search) <= blocks(e_amax)).all()), linear
+        changed += int((tensors["weight_scale"].view(torch.uint8)
+                        != amax["weight_scale"].view(torch.uint8)).sum())
+    assert changed > 0
+    # and plain transformers loads it (compressed-tensors decompression, no fp4sense)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
