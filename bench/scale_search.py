@@ -36,6 +36,7 @@ def quantize(model_path: Path, scheme: str, observer: str, calib: torch.Tensor):
     from transformers import AutoModelForCausalLM
 
     import fp4sense_llmcompressor  # noqa: F401  (registers the observer)
+    from fp4sense.quantized import bake_weights
     from fp4sense.schemes import to_quantization_scheme
 
     qscheme = to_quantization_scheme(scheme, ["Linear"])
@@ -46,8 +47,11 @@ def quantize(model_path: Path, scheme: str, observer: str, calib: torch.Tensor):
         {"input_ids": calib.tolist(), "attention_mask": torch.ones_like(calib).tolist()}
     )
     recipe = QuantizationModifier(config_groups={"group_0": qscheme}, ignore=["lm_head"])
+    # sequential, also for weight-only schemes (llm-compressor would infer its data-free
+    # pipeline there): activation-aware observers need the calibration inputs
     oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=len(calib),
-            max_seq_length=calib.shape[1])
+            max_seq_length=calib.shape[1], pipeline="sequential")
+    bake_weights(model)
     return model
 
 
@@ -64,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from fp4sense.assets import ensure_assets
     from fp4sense.data import protocol_windows
-    from fp4sense.metrics import compare_models
+    from fp4sense.metrics import compare_models, logits_of
 
     torch.manual_seed(0)
     paths = ensure_assets()
@@ -72,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     calib = protocol_windows(tok, "calibration", args.calib_windows)
     evals = protocol_windows(tok, "evaluation", args.eval_windows)
     base = AutoModelForCausalLM.from_pretrained(paths["model"], dtype=torch.float32).eval()
+    base_logits = [logits_of(base, w) for w in evals]
+    del base
 
     rows = []
     for scheme in args.schemes.split(","):
@@ -81,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             model = quantize(paths["model"], scheme, observer, calib)
             seconds = time.perf_counter() - t0
-            cmp = compare_models(base, model.eval(), evals, desc=f"{scheme}/{observer}")
+            cmp = compare_models(base_logits, model.eval(), evals, desc=f"{scheme}/{observer}")
             row = {"scheme": scheme, "observer": observer, "quantize_s": round(seconds, 1),
                    **cmp.to_dict()}
             rows.append(row)

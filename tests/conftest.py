@@ -30,7 +30,7 @@ def smollm2_state(assets) -> dict[str, torch.Tensor]:
 
 def make_tiny_llama(path: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Path:
     """A randomly initialised 2-block Llama saved at ``path`` (fast stand-in for shapes)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ct_reference import as_bytes, reference, reference_global_scale, same_bits, special_weights
 
+from ct_reference import as_bytes, reference, reference_global_scale, same_bits, special_weights
 from fp4sense import formats as F
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -80,7 +80,7 @@ def test_smollm2_every_linear_matches(smollm2_state):
             weights = [smollm2_state[n] for n in names]
             gs = reference_global_scale(*weights)
             assert same_bits(F.global_scale(*weights), gs)
-            for name, weight in zip(names, weights):
+            for name, weight in zip(names, weights, strict=True):
                 for fmt in FORMATS:
                     expected, _, _ = reference(weight, fmt, gs if fmt == "nvfp4" else None)
                     ours = F.compress(weight, fmt, gs if fmt == "nvfp4" else None, name=name)

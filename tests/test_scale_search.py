@@ -84,9 +84,9 @@ def test_searched_scales_store_in_standard_format():
 @pytest.mark.parametrize("fmt,scheme", [("nvfp4", "NVFP4A16_SEARCH"), ("mxfp4", "MXFP4A16_SEARCH")])
 def test_observer_uses_calibration_importance(fmt, scheme):
     """The llm-compressor observer == search_block_scales(weight, E[x^2] of its inputs)."""
-    import fp4sense_llmcompressor  # noqa: F401
     from llmcompressor.observers import Observer
 
+    import fp4sense_llmcompressor  # noqa: F401
     from fp4sense.schemes import to_quantization_scheme
 
     args = to_quantization_scheme(scheme, ["Linear"]).weights
@@ -112,8 +112,9 @@ def test_search_scheme_checkpoint_is_standard_and_never_worse(tiny_llama, tmp_pa
     """A data-free NVFP4A16_SEARCH oneshot writes plain nvfp4-pack-quantized tensors whose
     every block has no more weight error than the amax choice."""
     from safetensors.torch import load_file
-    from test_schemes import _oneshot
     from transformers import AutoModelForCausalLM
+
+    from test_schemes import _oneshot
 
     out = _oneshot(tiny_llama, "NVFP4A16_SEARCH", tmp_path / "ck")
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]

@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-from ct_reference import COMPRESSOR, as_bytes, same_bits
 
+from ct_reference import COMPRESSOR, as_bytes, same_bits
 from fp4sense import formats as F
 from fp4sense.schemes import MENU, SchemeError, bits_per_weight, get_scheme, to_quantization_scheme
 
@@ -37,8 +37,9 @@ def test_theoretical_bits():
 
 
 def test_presets_registered_for_quantization_modifier():
-    import fp4sense_llmcompressor  # noqa: F401  (registers presets and the observer)
     from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    import fp4sense_llmcompressor  # noqa: F401  (registers presets and the observer)
 
     for name, scheme in MENU.items():
         if scheme.preset is None:
@@ -60,14 +61,16 @@ def _calibration(tokenizer_dir, n=4, length=64):
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 49152, (n, length), generator=g)
-    return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+    mask = torch.ones_like(ids)
+    return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask.tolist()})
 
 
 def _oneshot(model_dir, scheme, out_dir, dataset=None, recipe=None):
-    import fp4sense_llmcompressor  # noqa: F401
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from transformers import AutoModelForCausalLM
+
+    import fp4sense_llmcompressor  # noqa: F401
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     recipe = recipe or QuantizationModifier(targets=["Linear"], scheme=scheme, ignore=["lm_head"])
@@ -77,6 +80,16 @@ def _oneshot(model_dir, scheme, out_dir, dataset=None, recipe=None):
     oneshot(model=model, recipe=recipe, **kwargs)
     model.save_pretrained(out_dir, save_compressed=True)
     return out_dir
+
+
+def _linear_shape(tensors: dict, linear: str) -> tuple[int, int]:
+    """(out, in) of a stored linear, whatever its format."""
+    if f"{linear}.weight_shape" in tensors:  # pack-quantized INT4
+        return tuple(tensors[f"{linear}.weight_shape"].tolist())
+    if f"{linear}.weight_packed" in tensors:  # two FP4 codes per byte
+        packed = tensors[f"{linear}.weight_packed"]
+        return packed.shape[0], packed.shape[1] * 2
+    return tuple(tensors[f"{linear}.weight"].shape)
 
 
 @pytest.mark.slow
@@ -93,9 +106,7 @@ def test_bit_accounting_equals_written_bytes(scheme, tiny_llama, tmp_path):
     for linear in linears:
         own = [k for k in tensors if k.rsplit(".", 1)[0] == linear]
         stored = sum(tensors[k].numel() * tensors[k].element_size() for k in own)
-        packed = tensors.get(f"{linear}.weight_packed", tensors.get(f"{linear}.weight"))
-        shape = tuple(tensors[f"{linear}.weight_shape"].tolist()) if f"{linear}.weight_shape" in \
-            tensors else (packed.shape[0], packed.shape[1] * (2 if packed.dtype == torch.uint8 else 1))
+        shape = _linear_shape(tensors, linear)
         n = shape[0] * shape[1]
         assert stored * 8 / n == pytest.approx(bits_per_weight(scheme, shape), rel=1e-12), (
             linear, own)

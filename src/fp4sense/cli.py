@@ -48,7 +48,7 @@ def _cmd_schemes(args: argparse.Namespace) -> int:
             "weights": s.weight_format or "bf16",
             "activations": s.activations or "16-bit",
             "block": s.block_size,
-            "bits_per_weight_576x1536": round(bits_per_weight(s, (576, 1536)), 4),
+            "bits_per_weight_576x1536": round(bits_per_weight(s, (576, 1536)), 5),
             "description": s.description,
         }
         for s in MENU.values()

@@ -248,13 +248,28 @@ def decode_scales(
 
 
 # --- codes --------------------------------------------------------------------------
+def _decision_points() -> torch.Tensor:
+    """Boundaries as strict thresholds: a magnitude above the i-th gets at least code i+1.
+
+    A boundary whose tie rounds up is moved to the float32 just below it, so that one
+    strict comparison (one ``bucketize``) implements both tie directions.
+    """
+    points = []
+    for boundary, tie_up in _E2M1_BOUNDARIES:
+        b = torch.tensor(boundary, dtype=torch.float32)
+        points.append(torch.nextafter(b, torch.tensor(0.0)) if tie_up else b)
+    return torch.stack(points)
+
+
+_E2M1_DECISION_POINTS = _decision_points()
+
+
 def _encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round float values (already divided by their block step) to E2M1 codes (uint8)."""
-    magnitude = x.abs()
-    index = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
-    for boundary, tie_up in _E2M1_BOUNDARIES:
-        above = magnitude >= boundary if tie_up else magnitude > boundary
-        index += above.to(torch.uint8)
+    # float32 holds bf16 / fp16 values exactly, so the comparisons are unchanged
+    magnitude = x.abs().to(torch.float32)
+    points = _E2M1_DECISION_POINTS.to(magnitude.device)
+    index = torch.bucketize(magnitude, points, right=False).to(torch.uint8)
     # a negative value that rounds to zero keeps its sign (-0.0), as upstream stores it
     sign = (x < 0).to(torch.uint8) * E2M1_SIGN_BIT
     return index | sign

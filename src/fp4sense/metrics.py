@@ -58,12 +58,19 @@ def perplexity(nll: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def compare_models(base, quant, windows: torch.Tensor, desc: str = "evaluating") -> Comparison:
-    """KL, PPL and top-1 agreement of ``quant`` against ``base`` over ``windows`` (n, T)."""
+def compare_models(
+    base, quant, windows: torch.Tensor, desc: str = "evaluating"
+) -> Comparison:
+    """KL, PPL and top-1 agreement of ``quant`` against ``base`` over ``windows`` (n, T).
+
+    ``base`` is the unquantized model, or its logits per window (from :func:`logits_of`)
+    when several models are compared against the same base.
+    """
     per_window_kl = []
     parts: dict[str, list[torch.Tensor]] = {"kl": [], "nll": [], "base_nll": [], "agree": []}
-    for window in tqdm(windows, desc=desc, leave=False):
-        m = window_metrics(logits_of(base, window), logits_of(quant, window), window)
+    for i, window in enumerate(tqdm(windows, desc=desc, leave=False)):
+        base_logits = base[i] if isinstance(base, (list, tuple)) else logits_of(base, window)
+        m = window_metrics(base_logits, logits_of(quant, window), window)
         for key, value in m.items():
             parts[key].append(value.cpu())
         per_window_kl.append(m["kl"].mean().item())

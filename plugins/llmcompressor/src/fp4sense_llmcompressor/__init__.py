@@ -9,7 +9,6 @@ Importing this package registers, with the hosts' own registries:
 """
 
 from fp4sense.schemes import register_presets
-
 from fp4sense_llmcompressor.observers import ScaleSearchObserver
 
 register_presets()

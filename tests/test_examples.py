@@ -1,0 +1,40 @@
+"""The examples run (on a tiny model, so they never rot)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_python_example_writes_a_standard_checkpoint(tiny_llama, tmp_path, assets):
+    out = tmp_path / "ck"
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / "search_scales.py"),
+                           str(tiny_llama), "--out", str(out), "--windows", "2"],
+                          capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qcfg["format"] == "nvfp4-pack-quantized"
+    assert qcfg["config_groups"]["group_0"]["weights"]["observer"] == "fp4sense_scale_search"
+
+
+@pytest.mark.slow
+def test_yaml_recipe_runs_through_oneshot(tiny_llama, tmp_path):
+    import torch
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM
+
+    import fp4sense_llmcompressor  # noqa: F401
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
+    oneshot(model=model, recipe=str(REPO / "examples" / "search_scales_recipe.yaml"))
+    model.save_pretrained(tmp_path / "ck", save_compressed=True)
+    qcfg = json.loads((tmp_path / "ck" / "config.json").read_text())["quantization_config"]
+    assert qcfg["format"] == "nvfp4-pack-quantized"
+    assert qcfg["config_groups"]["group_0"]["weights"]["observer"] == "fp4sense_scale_search"
