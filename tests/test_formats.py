@@ -115,3 +115,19 @@ def test_decompress_names_missing_tensor():
     del t["weight_global_scale"]
     with pytest.raises(F.FormatError, match="weight_global_scale"):
         F.decompress(t, "nvfp4")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_activation_fake_quant_matches_compressed_tensors_dynamic_mxfp4(dtype):
+    """What vLLM's W4A4 MXFP4 (our CPU kernel) does to inputs == compressed-tensors' own."""
+    from compressed_tensors.quantization import QuantizationStatus, preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import forward_quantize
+
+    args = preset_name_to_scheme("MXFP4", ["Linear"]).input_activations
+    module = torch.nn.Linear(64, 4)
+    module.quantization_status = QuantizationStatus.FROZEN
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(3, 5, 64, generator=g) * torch.logspace(-3, 2, 64)).to(dtype)
+    x[0, 0, :32] = 0
+    expected = forward_quantize(module, x, "input", args)
+    assert same_bits(F.quantize_dequantize_activations(x, "mxfp4"), expected)

@@ -1,13 +1,15 @@
 """The ``fp4sense`` command line.
 
 Exit codes: 0 success; 1 a user error (bad input, named in one line); 2 usage error
-(argparse); 3 an offline asset could not be fetched.
+(argparse); 3 an offline asset could not be fetched; 4 verify-vllm found vLLM and
+transformers disagreeing beyond the tolerance.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,6 +19,7 @@ from fp4sense import __version__
 EXIT_OK = 0
 EXIT_USER_ERROR = 1
 EXIT_ASSET_ERROR = 3
+EXIT_VERIFY_FAILED = 4
 
 
 def _cmd_setup(args: argparse.Namespace) -> int:
@@ -65,6 +68,39 @@ def _cmd_schemes(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_verify_vllm(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from fp4sense.data import protocol_windows
+    from fp4sense.verify import Tolerance, verify_vllm
+
+    tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
+    windows = protocol_windows(tokenizer, "evaluation", args.windows, source=args.text)
+    windows = windows[:, : args.tokens]
+    limits = (args.max_abs, args.mean_abs, args.ppl_rel)
+    tolerance = None if all(v is None for v in limits) else Tolerance(
+        *(math.inf if v is None else v for v in limits))
+    result = verify_vllm(
+        args.checkpoint, windows, prompt=args.prompt, serve_python=args.serve_python,
+        tolerance=tolerance, timeout_s=args.timeout,
+    )
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(f"checkpoint        {result.checkpoint}")
+        print(f"tokens compared   {result.tokens}")
+        tol = result.tolerance
+        print(f"|d logprob| max   {result.max_abs_diff:.4f}   (limit {tol['max_abs']})")
+        print(f"|d logprob| mean  {result.mean_abs_diff:.4f}   (limit {tol['mean_abs']})")
+        print(f"perplexity        vLLM {result.vllm_ppl:.3f}   transformers "
+              f"{result.transformers_ppl:.3f}")
+        print(f"greedy completion {args.prompt!r} ->{result.completion!r}")
+        for note in result.notes:
+            print(f"note              {note}")
+        print("PASS" if result.passed else "FAIL: vLLM and transformers differ beyond tolerance")
+    return EXIT_OK if result.passed else EXIT_VERIFY_FAILED
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fp4sense",
@@ -85,6 +121,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.set_defaults(func=_cmd_convert_gguf)
 
+    p = sub.add_parser("verify-vllm", help="check that vLLM loads CHECKPOINT and computes the "
+                       "same log-probs as transformers (runs the serve environment)")
+    p.add_argument("checkpoint", type=Path, help="compressed-tensors checkpoint folder")
+    p.add_argument("--windows", type=int, default=2, help="evaluation windows to score")
+    p.add_argument("--tokens", type=int, default=512, help="tokens per window (<= 512)")
+    p.add_argument("--text", default=None, help="evaluation text file (default: protocol)")
+    p.add_argument("--prompt", default="The President of the United States said that")
+    p.add_argument("--serve-python", default=None, help="python of the vLLM environment")
+    p.add_argument("--max-abs", type=float, default=None,
+                   help="limit on max |d logprob| (default: by scheme, see README)")
+    p.add_argument("--mean-abs", type=float, default=None, help="limit on mean |d logprob|")
+    p.add_argument("--ppl-rel", type=float, default=None,
+                   help="limit on the relative perplexity difference")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds for the vLLM run")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=_cmd_verify_vllm)
+
     p = sub.add_parser("schemes", help="list the scheme menu with bits per weight")
     p.add_argument("--json", action="store_true", help="print as JSON")
     p.set_defaults(func=_cmd_schemes)
@@ -99,13 +152,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     from fp4sense.assets import AssetError
     from fp4sense.gguf import GGUFConversionError
+    from fp4sense.verify import VerifyError
 
     try:
         return int(args.func(args))
     except AssetError as exc:
         print(f"fp4sense: error: {exc}", file=sys.stderr)
         return EXIT_ASSET_ERROR
-    except (GGUFConversionError, ValueError) as exc:
+    except (GGUFConversionError, VerifyError, ValueError) as exc:
         print(f"fp4sense: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
 

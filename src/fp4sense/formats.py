@@ -45,6 +45,7 @@ __all__ = [
     "amax_block_scales",
     "pack_codes",
     "quantize_dequantize",
+    "quantize_dequantize_activations",
     "quantize_to_codes",
     "unpack_codes",
 ]
@@ -395,3 +396,25 @@ def quantize_dequantize(
 ) -> torch.Tensor:
     """Fake-quantize ``weight`` (same shape and dtype): what a served checkpoint computes with."""
     return decompress(compress(weight, fmt, global_scale, scales, name), fmt, weight.dtype)
+
+
+def quantize_dequantize_activations(
+    x: torch.Tensor, fmt: str | FP4Format = "mxfp4"
+) -> torch.Tensor:
+    """Dynamic MXFP4 fake quantization of activations along the last dimension.
+
+    Each block of 32 gets the E8M0 scale of its amax (the same rule as the weights), as
+    compressed-tensors' dynamic MXFP4 input quantization and vLLM's W4A4 MXFP4 compute it.
+    """
+    f = get_format(fmt)
+    if f.has_global_scale:
+        raise FormatError("dynamic activation fake quantization here is for MXFP4 only")
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[-1] % f.block_size:
+        raise FormatError(
+            f"activation dimension {flat.shape[-1]} is not divisible by the MXFP4 block "
+            f"size {f.block_size}"
+        )
+    scales = amax_block_scales(flat, f)
+    codes = quantize_to_codes(flat, scales, f)
+    return dequantize_codes(codes, scales, f, dtype=x.dtype).reshape(x.shape)

@@ -1,0 +1,350 @@
+"""``fp4sense verify-vllm``: does vLLM load a checkpoint and compute the same numbers?
+
+Runs in the quantize environment. It checks the folder first (config, safetensors
+headers and sizes, every config group matching a module, every quantized module having
+its scale tensors), then runs vLLM in the serve environment as a subprocess (as a
+deployment would be separate), scores a few evaluation windows there and with
+transformers' own load of the folder (compressed-tensors decompression), and compares
+the per-token log-probs.
+
+Both sides compute in float32. Remaining differences come from the order of operations
+(vLLM's fused q/k/v and gate/up matmuls, its attention kernel), from the weights
+(compressed-tensors decompresses FP4 to bf16; vLLM's emulation dequantizes to the
+compute dtype) and, for W4A4 schemes, from activation-quantization decisions that flip
+with those small differences. See the tolerances below for the measured spread.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "CheckpointError",
+    "ACTIVATION_QUANT_TOLERANCE",
+    "DEFAULT_TOLERANCE",
+    "WEIGHT_ONLY_TOLERANCE",
+    "Tolerance",
+    "VerifyError",
+    "VerifyResult",
+    "check_checkpoint",
+    "find_serve_python",
+    "reference_logprobs",
+    "verify_vllm",
+]
+
+SERVE_PYTHON_ENV = "FP4SENSE_SERVE_PYTHON"
+SAFETENSORS_HEADER_BYTES = 8
+
+
+class CheckpointError(ValueError):
+    """The checkpoint folder is missing, corrupt or inconsistent (names what and where)."""
+
+
+class VerifyError(RuntimeError):
+    """vLLM could not run the checkpoint, or took too long (says which)."""
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Limits on |logprob_vLLM - logprob_transformers| per token, on average, and on the
+    relative perplexity difference."""
+
+    max_abs: float
+    mean_abs: float
+    ppl_rel: float
+
+
+#: Derived from the spread measured on SmolLM2 (2 evaluation windows, float32 on both
+#: sides; numbers in README). Weight-only checkpoints (NVFP4A16): max 0.12, mean 0.008
+#: nats, perplexities within 0.1%; the limits leave about 8x room while a wrong scale or
+#: a mis-packed nibble moves the mean by far more than 0.05.
+WEIGHT_ONLY_TOLERANCE = Tolerance(max_abs=1.0, mean_abs=0.05, ppl_rel=0.01)
+#: With quantized activations the two sides' tiny differences (fused matmuls, attention
+#: kernel, bf16-rounded decompressed weights) flip block-scale and rounding decisions,
+#: and the flips compound over the layers: MXFP4 as W4A4 measured max 4.0, mean 0.27
+#: nats, perplexities within 1.3%. Single tokens are then no signal (no max limit); the
+#: mean and the perplexity are, and a real numerics error moves them by multiples.
+ACTIVATION_QUANT_TOLERANCE = Tolerance(max_abs=math.inf, mean_abs=0.5, ppl_rel=0.05)
+DEFAULT_TOLERANCE = WEIGHT_ONLY_TOLERANCE
+
+
+@dataclass
+class VerifyResult:
+    """Outcome of :func:`verify_vllm` (JSON-serialisable with :meth:`to_dict`)."""
+
+    checkpoint: str
+    tokens: int
+    max_abs_diff: float
+    mean_abs_diff: float
+    vllm_ppl: float
+    transformers_ppl: float
+    completion: str
+    passed: bool
+    tolerance: dict
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# --- checkpoint checks ---------------------------------------------------------------
+def _safetensors_header(path: Path) -> dict:
+    """Parse a safetensors header and check that the file holds every byte it promises."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        raw = fh.read(SAFETENSORS_HEADER_BYTES)
+        if len(raw) < SAFETENSORS_HEADER_BYTES:
+            raise CheckpointError(f"{path}: truncated safetensors file (no header)")
+        (header_len,) = struct.unpack("<Q", raw)
+        if header_len > size:
+            raise CheckpointError(f"{path}: corrupt safetensors header (length {header_len})")
+        try:
+            header = json.loads(fh.read(header_len))
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from None
+    header.pop("__metadata__", None)
+    end = max((t["data_offsets"][1] for t in header.values()), default=0)
+    if SAFETENSORS_HEADER_BYTES + header_len + end > size:
+        raise CheckpointError(
+            f"{path}: truncated safetensors file ({size:,} bytes, the header needs "
+            f"{SAFETENSORS_HEADER_BYTES + header_len + end:,}); re-copy or re-create it"
+        )
+    return header
+
+
+def _tensor_index(folder: Path) -> dict[str, dict]:
+    """tensor name -> header entry, over every weight file the folder declares."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = [p.name for p in sorted(folder.glob("*.safetensors"))]
+        weight_map = None
+    if not files:
+        raise CheckpointError(f"{folder}: no .safetensors weight files")
+    tensors: dict[str, dict] = {}
+    for name in files:
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{folder}: weight file {name} listed in the index is missing")
+        for key, entry in _safetensors_header(path).items():
+            tensors[key] = entry
+    if weight_map is not None:
+        missing = [k for k in weight_map if k not in tensors]
+        if missing:
+            raise CheckpointError(f"{folder}: index lists tensors not in any file: {missing[:3]}")
+    return tensors
+
+
+def _matches(target: str, module: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    return module == target or module.endswith("." + target)
+
+
+def check_checkpoint(folder: str | os.PathLike) -> dict:
+    """Check a compressed-tensors checkpoint folder; return its quantization_config.
+
+    Raises :class:`CheckpointError` naming the file, group, module or tensor at fault.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {folder} not found")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{folder}: no config.json; not a Hugging Face checkpoint")
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{config_path}: not valid JSON ({exc})") from None
+    qcfg = config.get("quantization_config") or config.get("compression_config")
+    if not qcfg or qcfg.get("quant_method") != "compressed-tensors":
+        raise CheckpointError(
+            f"{config_path}: no compressed-tensors quantization_config; quantize the model "
+            "with llm-compressor (or fp4sense) first"
+        )
+    tensors = _tensor_index(folder)
+    modules = {k.rsplit(".", 1)[0] for k in tensors if k.endswith((".weight", ".weight_packed"))}
+    ignore = qcfg.get("ignore") or []
+    for group_name, group in (qcfg.get("config_groups") or {}).items():
+        targets = group.get("targets") or []
+        # class-name targets (e.g. "Linear") cannot be resolved without the model: names
+        # and regexes must match a module that the checkpoint stores
+        named = [t for t in targets if t.startswith("re:") or "." in t]
+        if named and not any(_matches(t, m) for t in named for m in modules
+                             if not any(_matches(i, m) for i in ignore)):
+            raise CheckpointError(
+                f"{config_path}: config group {group_name!r} targets {named} but names no "
+                "module stored in the checkpoint"
+            )
+    global_format = qcfg.get("format")
+    formats_in_use = {g.get("format") or global_format
+                      for g in (qcfg.get("config_groups") or {}).values()}
+    for module in sorted(modules):
+        packed = f"{module}.weight_packed" in tensors
+        fp8 = tensors.get(f"{module}.weight", {}).get("dtype") in ("F8_E4M3", "F8_E5M2")
+        if (packed or fp8) and f"{module}.weight_scale" not in tensors:
+            raise CheckpointError(f"{folder}: {module} has no weight_scale tensor")
+        scale = tensors.get(f"{module}.weight_scale", {})
+        if packed and scale.get("dtype") == "F8_E4M3" and "nvfp4-pack-quantized" in \
+                formats_in_use and f"{module}.weight_global_scale" not in tensors:
+            raise CheckpointError(f"{folder}: {module} has no weight_global_scale tensor")
+    return qcfg
+
+
+# --- the two sides ---------------------------------------------------------------------
+def find_serve_python(explicit: str | os.PathLike | None = None) -> Path:
+    """The serve environment's python: argument, $FP4SENSE_SERVE_PYTHON, or .venv-vllm."""
+    candidates = [explicit, os.environ.get(SERVE_PYTHON_ENV)]
+    prefix = Path(sys.prefix)
+    candidates.append(prefix.parent / ".venv-vllm" / "bin" / "python")
+    for cand in candidates:
+        if cand and Path(cand).is_file():
+            return Path(cand)
+    raise VerifyError(
+        "cannot find the serve environment's python (vLLM); pass --serve-python PATH, set "
+        f"{SERVE_PYTHON_ENV}, or run `make setup` to create .venv-vllm"
+    )
+
+
+def _is_mxfp4(args) -> bool:
+    return (args is not None and args.num_bits == 4 and args.type == "float"
+            and args.group_size == 32)
+
+
+def apply_served_activation_quantization(model: torch.nn.Module) -> tuple[int, list[str]]:
+    """Quantize activations the way vLLM serves the checkpoint, with compressed-tensors' code.
+
+    transformers' load decompresses the weights and runs every linear unquantized, so on
+    its own it does not compute what vLLM serves for W4A4 schemes. This re-attaches
+    compressed-tensors' forward with the checkpoint's input activation arguments, and for
+    MXFP4 weights with none (MXFP4A16) the MXFP4 preset's, since vLLM runs those as W4A4.
+
+    :return: how many layers quantize their inputs, and notes on what was changed
+        beyond the checkpoint's own config
+    """
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import set_forward_quantized
+
+    mxfp4_inputs = preset_name_to_scheme("MXFP4", ["Linear"]).input_activations
+    promoted = quantized = 0
+    for module in model.modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        if scheme is None or scheme.weights is None:
+            continue
+        inputs = scheme.input_activations
+        if inputs is None and _is_mxfp4(scheme.weights):
+            inputs, promoted = mxfp4_inputs, promoted + 1
+        if inputs is None:
+            continue
+        # weights are already decompressed: only the inputs are quantized from here on
+        module.quantization_scheme = scheme.model_copy(
+            update={"weights": None, "input_activations": inputs})
+        set_forward_quantized(module)
+        quantized += 1
+    notes = []
+    if promoted:
+        notes.append(f"vLLM builds MXFP4 layers as W4A4 (dynamic MXFP4 activations) even "
+                     f"when the checkpoint says MXFP4A16; the reference does the same "
+                     f"({promoted} layers)")
+    return quantized, notes
+
+
+@torch.no_grad()
+def reference_logprobs(folder: str | os.PathLike, windows: torch.Tensor,
+                       notes: list[str] | None = None) -> tuple[list[list[float]], int]:
+    """Per-token log-probs from transformers' own load of the checkpoint, in float32,
+    and the number of layers whose activations are quantized."""
+    from transformers import AutoModelForCausalLM
+
+    # compressed-tensors decompresses FP4 weights to bf16 on the first forward; loading
+    # straight into float32 then fails on a dtype mismatch. So load in bf16, let one
+    # forward decompress, then compute in float32.
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    model(input_ids=windows[:1, :2])
+    model.to(torch.float32)
+    act_layers, added = apply_served_activation_quantization(model)
+    if notes is not None:
+        notes.extend(added)
+    out = []
+    for window in windows:
+        logits = model(input_ids=window[None]).logits[0].float()
+        lp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, window[1:, None])[:, 0]
+        out.append(lp.tolist())
+    return out, act_layers
+
+
+def run_vllm(folder: Path, windows: torch.Tensor, prompt: str, serve_python: Path,
+             timeout_s: float, max_tokens: int = 16) -> dict:
+    """Score ``windows`` (and complete ``prompt``) with vLLM in the serve environment."""
+    with tempfile.TemporaryDirectory(prefix="fp4sense-vllm-") as tmp:
+        job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job.write_text(json.dumps({
+            "model": str(Path(folder).resolve()), "windows": windows.tolist(), "prompt": prompt,
+            "max_tokens": max_tokens, "dtype": "float32",
+            "max_model_len": max(1024, windows.shape[1] + max_tokens + 1),
+        }))
+        try:
+            proc = subprocess.run([str(serve_python), "-m", "fp4sense_vllm.worker", str(job),
+                                   str(result)], capture_output=True, text=True,
+                                  timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise VerifyError(
+                f"vLLM did not finish within {timeout_s:.0f} s on {folder}; raise --timeout "
+                "or check the machine's load"
+            ) from None
+        if proc.returncode != 0 or not result.is_file():
+            lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+            errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+            last = (errors or lines or ["no output"])[-1].strip()
+            raise VerifyError(f"vLLM could not run {folder}: {last}")
+        return json.loads(result.read_text())
+
+
+def verify_vllm(
+    folder: str | os.PathLike,
+    windows: torch.Tensor,
+    prompt: str = "The President of the United States said that",
+    serve_python: str | os.PathLike | None = None,
+    tolerance: Tolerance | None = None,
+    timeout_s: float = 900.0,
+) -> VerifyResult:
+    """Check ``folder``, then compare vLLM's and transformers' log-probs on ``windows``.
+
+    ``tolerance`` defaults to :data:`WEIGHT_ONLY_TOLERANCE`, or to
+    :data:`ACTIVATION_QUANT_TOLERANCE` when vLLM quantizes activations of any layer.
+    """
+    folder = Path(folder)
+    check_checkpoint(folder)
+    python = find_serve_python(serve_python)
+    served = run_vllm(folder, windows, prompt, python, timeout_s)
+    notes: list[str] = []
+    reference, act_layers = reference_logprobs(folder, windows, notes)
+    if tolerance is None:
+        tolerance = ACTIVATION_QUANT_TOLERANCE if act_layers else WEIGHT_ONLY_TOLERANCE
+    a = torch.tensor(served["logprobs"], dtype=torch.float64)
+    b = torch.tensor(reference, dtype=torch.float64)
+    diff = (a - b).abs()
+    result = VerifyResult(
+        checkpoint=str(folder), tokens=int(diff.numel()),
+        max_abs_diff=float(diff.max()), mean_abs_diff=float(diff.mean()),
+        vllm_ppl=math.exp(-float(a.mean())), transformers_ppl=math.exp(-float(b.mean())),
+        completion=served["completion"], passed=False, tolerance=asdict(tolerance), notes=notes,
+    )
+    ppl_rel = abs(result.vllm_ppl - result.transformers_ppl) / result.transformers_ppl
+    result.passed = (result.max_abs_diff <= tolerance.max_abs
+                     and result.mean_abs_diff <= tolerance.mean_abs
+                     and ppl_rel <= tolerance.ppl_rel)
+    return result

@@ -1,0 +1,139 @@
+"""verify-vllm: checkpoint checks (fast) and real vLLM runs in the serve environment."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fp4sense.verify import CheckpointError, check_checkpoint
+
+FP4SENSE = str(Path(sys.executable).parent / "fp4sense")
+
+
+@pytest.fixture(scope="module")
+def tiny_nvfp4(tiny_llama, tmp_path_factory) -> Path:
+    from transformers import AutoTokenizer
+
+    from test_schemes import _oneshot
+
+    out = _oneshot(tiny_llama, "NVFP4A16", tmp_path_factory.mktemp("ck") / "nvfp4a16")
+    AutoTokenizer.from_pretrained(tiny_llama).save_pretrained(out)
+    return out
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_good_checkpoint_passes_checks(tiny_nvfp4):
+    assert check_checkpoint(tiny_nvfp4)["format"] == "nvfp4-pack-quantized"
+
+
+def test_missing_folder_and_plain_model_are_refused(tmp_path, tiny_llama):
+    with pytest.raises(CheckpointError, match="not found"):
+        check_checkpoint(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="no compressed-tensors quantization_config"):
+        check_checkpoint(tiny_llama)
+
+
+def test_truncated_safetensors_is_named(tiny_nvfp4, tmp_path):
+    bad = _copy(tiny_nvfp4, tmp_path / "bad")
+    f = bad / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: truncated"):
+        check_checkpoint(bad)
+
+
+def test_missing_scale_tensor_is_named(tiny_nvfp4, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    bad = _copy(tiny_nvfp4, tmp_path / "bad")
+    tensors = load_file(bad / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight_scale"]
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.down_proj has no weight_scale"):
+        check_checkpoint(bad)
+
+
+def test_config_group_naming_no_module(tiny_nvfp4, tmp_path):
+    bad = _copy(tiny_nvfp4, tmp_path / "bad")
+    cfg = json.loads((bad / "config.json").read_text())
+    group = dict(cfg["quantization_config"]["config_groups"]["group_0"])
+    group["targets"] = ["re:.*cross_attn.*"]
+    cfg["quantization_config"]["config_groups"]["group_1"] = group
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"group_1.*names no module"):
+        check_checkpoint(bad)
+
+
+def test_cli_reports_corrupt_checkpoint_in_one_line(tiny_nvfp4, tmp_path):
+    bad = _copy(tiny_nvfp4, tmp_path / "bad")
+    (bad / "model.safetensors").write_bytes(b"\x00" * 4)
+    proc = subprocess.run([FP4SENSE, "verify-vllm", str(bad)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1
+    assert "truncated" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_serve_python_missing_is_explained(monkeypatch, tmp_path):
+    from fp4sense import verify
+
+    monkeypatch.delenv(verify.SERVE_PYTHON_ENV, raising=False)
+    monkeypatch.setattr(verify.sys, "prefix", str(tmp_path / "venv"))
+    with pytest.raises(verify.VerifyError, match="--serve-python"):
+        verify.find_serve_python("/nonexistent/python")
+
+
+# --- real vLLM runs (serve environment, subprocess) -----------------------------------
+MIXED_GROUPS = {
+    # fused q/k/v kept whole in NVFP4; gate/up whole in FP8; o_proj and down_proj of
+    # block 0 in NVFP4; everything else left in BF16
+    "NVFP4": [r"re:.*self_attn\.(q|k|v)_proj$", r"re:.*layers\.0\.mlp\.down_proj$"],
+    "FP8_DYNAMIC": [r"re:.*mlp\.(gate|up)_proj$"],
+}
+
+
+def _make_checkpoint(tiny_llama: Path, scheme: str, out: Path) -> Path:
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoTokenizer
+
+    from fp4sense.schemes import to_quantization_scheme
+    from test_schemes import _calibration, _oneshot
+
+    recipe = None
+    if scheme == "MIXED":
+        groups = {f"group_{i}": to_quantization_scheme(name, targets)
+                  for i, (name, targets) in enumerate(MIXED_GROUPS.items())}
+        recipe = QuantizationModifier(config_groups=groups, ignore=["lm_head"])
+    _oneshot(tiny_llama, scheme, out, dataset=_calibration(tiny_llama), recipe=recipe)
+    AutoTokenizer.from_pretrained(tiny_llama).save_pretrained(out)
+    return out
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["NVFP4", "NVFP4A16", "MXFP4", "MXFP4A16", "FP8_DYNAMIC",
+                                    "MIXED"])
+def test_checkpoint_passes_verify_vllm(scheme, tiny_llama, tmp_path, serve_python, assets):
+    from transformers import AutoTokenizer
+
+    from fp4sense.data import protocol_windows
+    from fp4sense.verify import verify_vllm
+
+    ck = _make_checkpoint(tiny_llama, scheme, tmp_path / scheme)
+    qcfg = json.loads((ck / "config.json").read_text())["quantization_config"]
+    if scheme == "MIXED":
+        assert qcfg["format"] == "mixed-precision" and len(qcfg["config_groups"]) == 2
+    windows = protocol_windows(AutoTokenizer.from_pretrained(ck), "evaluation", 1)[:, :128]
+    result = verify_vllm(ck, windows, serve_python=serve_python, timeout_s=600)
+    assert result.passed, result.to_dict()
+    assert result.tokens == 127
+    if scheme == "MXFP4A16":
+        assert any("W4A4" in n for n in result.notes)
