@@ -65,9 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     # 16 oneshot runs of this benchmark under an hour on 2 CPU cores
     parser.add_argument("--calib-windows", type=int, default=8)
     parser.add_argument("--eval-windows", type=int, default=16)
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite the Markdown table from --out without running")
     parser.add_argument("--fresh", action="store_true",
                         help="ignore rows of an earlier run in --out (default: resume)")
     args = parser.parse_args(argv)
+
+    if args.report_only:
+        old = json.loads(args.out.read_text())
+        write_results(args, argv, old["rows"], old["protocol"]["window_tokens"])
+        print(args.out.with_suffix(".md").read_text())
+        return 0
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -137,10 +145,14 @@ def write_results(args, argv, rows: list[dict], window_tokens: int) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     md = args.out.with_suffix(".md")
-    lines = ["| scheme | observer | KL (± se) | PPL | top-1 |", "|---|---|---|---|---|"]
+    lines = ["| scheme | observer | KL (± se) | KL vs minmax | PPL | top-1 |",
+             "|---|---|---|---|---|---|"]
+    default_kl = {r["scheme"]: r["kl"] for r in rows if r["observer"] == "minmax"}
     for r in rows:
+        ref = default_kl.get(r["scheme"])
+        rel = f"{(r['kl'] / ref - 1) * 100:+.1f}%" if ref else "n/a"
         lines.append(f"| {r['scheme']} | {r['observer']} | {r['kl']:.4f} ± {r['kl_se']:.4f} "
-                     f"| {r['ppl']:.3f} | {r['top1']:.4f} |")
+                     f"| {rel} | {r['ppl']:.3f} | {r['top1']:.4f} |")
     lines.append(f"\nBase (unquantized) PPL: {rows[0]['base_ppl']:.3f}" if rows else "")
     md.write_text("\n".join(lines) + "\n")
 

@@ -350,25 +350,25 @@ def compress(
     f = get_format(fmt)
     check_weight(weight, f, name)
     weight = weight.detach()
-    out: dict[str, torch.Tensor] = {}
-    if f.has_global_scale:
-        gs = global_scale.to(torch.float32).reshape(1) if global_scale is not None else (
-            _global_scale_fn(weight)
-        )
-        out_gs: torch.Tensor | None = gs
-    else:
-        out_gs = None
+    tensor_scale = _tensor_scale(weight, f, global_scale)
     if scales is None:
-        scales = amax_block_scales(weight, f, out_gs)
-    codes = quantize_to_codes(weight, scales, f, out_gs)
-    out["weight_packed"] = pack_codes(codes)
-    out["weight_scale"] = scales.to(f.scale_dtype)
-    if out_gs is not None:
-        out["weight_global_scale"] = out_gs
+        scales = amax_block_scales(weight, f, tensor_scale)
+    codes = quantize_to_codes(weight, scales, f, tensor_scale)
+    out = {"weight_packed": pack_codes(codes), "weight_scale": scales.to(f.scale_dtype)}
+    if tensor_scale is not None:
+        out["weight_global_scale"] = tensor_scale
     return out
 
 
-_global_scale_fn = global_scale
+def _tensor_scale(
+    weight: torch.Tensor, fmt: FP4Format, given: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The NVFP4 global scale to use (the given fused one, or the weight's own); None for MX."""
+    if not fmt.has_global_scale:
+        return None
+    if given is not None:
+        return given.to(torch.float32).reshape(1)
+    return global_scale(weight)
 
 
 def decompress(
