@@ -71,11 +71,14 @@ class Tolerance:
 #: a mis-packed nibble moves the mean by far more than 0.05.
 WEIGHT_ONLY_TOLERANCE = Tolerance(max_abs=1.0, mean_abs=0.05, ppl_rel=0.01)
 #: With quantized activations the two sides' tiny differences (fused matmuls, attention
-#: kernel, bf16-rounded decompressed weights) flip block-scale and rounding decisions,
-#: and the flips compound over the layers: MXFP4 as W4A4 measured max 4.0, mean 0.27
-#: nats, perplexities within 1.3%. Single tokens are then no signal (no max limit); the
-#: mean and the perplexity are, and a real numerics error moves them by multiples.
-ACTIVATION_QUANT_TOLERANCE = Tolerance(max_abs=math.inf, mean_abs=0.5, ppl_rel=0.05)
+#: kernel, bf16-rounded decompressed weights; for NVFP4 also vLLM's multiply-by-reciprocal
+#: against compressed-tensors' division) flip block-scale and rounding decisions, and the
+#: flips compound over the layers. Measured on SmolLM2: MXFP4 as W4A4 max 4.0, mean 0.27
+#: nats, perplexities within 1.3%; NVFP4 (W4A4) max 6.3, mean 0.52, within 3.3%. Single
+#: tokens are then no signal (no max limit); the mean and the perplexity are, with about
+#: 2x room over the worst measured spread, while a real numerics error (a wrong scale, a
+#: swapped nibble) moves the perplexity by multiples.
+ACTIVATION_QUANT_TOLERANCE = Tolerance(max_abs=math.inf, mean_abs=1.0, ppl_rel=0.1)
 DEFAULT_TOLERANCE = WEIGHT_ONLY_TOLERANCE
 
 
