@@ -12,7 +12,14 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
-__all__ = ["Comparison", "compare_models", "logits_of", "perplexity", "window_metrics"]
+__all__ = [
+    "Comparison",
+    "compare_models",
+    "logits_of",
+    "next_token_logprobs",
+    "perplexity",
+    "window_metrics",
+]
 
 
 @dataclass(frozen=True)
@@ -37,18 +44,23 @@ def logits_of(model, window: torch.Tensor) -> torch.Tensor:
     return out.logits[0].to(torch.float32)
 
 
+def next_token_logprobs(logits: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    """log p(token t | tokens < t) for t = 1..T-1, from a window's (T, vocab) logits."""
+    log_probs = torch.log_softmax(logits[:-1].to(torch.float32), dim=-1)
+    return log_probs.gather(-1, window[1:, None].to(log_probs.device))[:, 0]
+
+
 def window_metrics(
     base_logits: torch.Tensor, quant_logits: torch.Tensor, window: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """Per-token KL, NLLs and agreement for one window (positions 0..T-2)."""
     base_lp = torch.log_softmax(base_logits[:-1], dim=-1)
     quant_lp = torch.log_softmax(quant_logits[:-1], dim=-1)
-    target = window[1:].to(base_lp.device)
     kl = (base_lp.exp() * (base_lp - quant_lp)).sum(-1)
     return {
         "kl": kl,
-        "nll": -quant_lp.gather(-1, target[:, None])[:, 0],
-        "base_nll": -base_lp.gather(-1, target[:, None])[:, 0],
+        "nll": -next_token_logprobs(quant_logits, window),
+        "base_nll": -next_token_logprobs(base_logits, window),
         "agree": (base_lp.argmax(-1) == quant_lp.argmax(-1)).to(torch.float32),
     }
 

@@ -272,6 +272,8 @@ def reference_logprobs(folder: str | os.PathLike, windows: torch.Tensor,
     and the number of layers whose activations are quantized."""
     from transformers import AutoModelForCausalLM
 
+    from fp4sense.metrics import next_token_logprobs
+
     # compressed-tensors decompresses FP4 weights to bf16 on the first forward; loading
     # straight into float32 then fails on a dtype mismatch. So load in bf16, let one
     # forward decompress, then compute in float32.
@@ -284,8 +286,7 @@ def reference_logprobs(folder: str | os.PathLike, windows: torch.Tensor,
     out = []
     for window in windows:
         logits = model(input_ids=window[None]).logits[0].float()
-        lp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, window[1:, None])[:, 0]
-        out.append(lp.tolist())
+        out.append(next_token_logprobs(logits, window).tolist())
     return out, act_layers
 
 
