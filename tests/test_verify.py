@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fp4sense.verify import CheckpointError, check_checkpoint
 
@@ -137,3 +138,76 @@ def test_checkpoint_passes_verify_vllm(scheme, tiny_llama, tmp_path, serve_pytho
     assert result.tokens == 127
     if scheme == "MXFP4A16":
         assert any("W4A4" in n for n in result.notes)
+
+
+# --- the bundled SmolLM2 in NVFP4 ----------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2_nvfp4(assets, tmp_path_factory) -> Path:
+    """SmolLM2 quantized to NVFP4 (W4A4) by llm-compressor, calibrated on protocol text."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from fp4sense.data import protocol_windows
+    from test_schemes import _oneshot
+
+    tok = AutoTokenizer.from_pretrained(assets["model"])
+    ids = protocol_windows(tok, "calibration", 4)[:, :64]
+    data = Dataset.from_dict({"input_ids": ids.tolist(),
+                              "attention_mask": torch.ones_like(ids).tolist()})
+    out = tmp_path_factory.mktemp("smollm2") / "smollm2-nvfp4"
+    _oneshot(assets["model"], "NVFP4", out, dataset=data)
+    tok.save_pretrained(out)
+    return out
+
+
+def _swap_nibbles(src: Path, dst: Path) -> Path:
+    """A copy of ``src`` whose packed FP4 bytes have their two codes swapped: the classic
+    packing bug (high nibble read as the even column). Structure stays valid."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for path in dst.glob("*.safetensors"):
+        tensors = load_file(path)
+        for name, t in tensors.items():
+            if name.endswith("weight_packed"):
+                tensors[name] = ((t & 0x0F) << 4) | (t >> 4)
+        save_file(tensors, path, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_smollm2_nvfp4_passes_and_a_numerics_error_fails(smollm2_nvfp4, tmp_path, serve_python):
+    """The bundled model in NVFP4 passes verify-vllm; the same vLLM output judged against a
+    checkpoint whose nibbles are swapped (a real numerics bug) fails by a wide margin."""
+    from transformers import AutoTokenizer
+
+    from fp4sense.data import protocol_windows
+    from fp4sense.verify import (
+        ACTIVATION_QUANT_TOLERANCE,
+        compare_logprobs,
+        reference_logprobs,
+        run_vllm,
+    )
+
+    # verify_vllm's steps one by one, so the single vLLM run serves both judgements
+    check_checkpoint(smollm2_nvfp4)
+    tok = AutoTokenizer.from_pretrained(smollm2_nvfp4)
+    windows = protocol_windows(tok, "evaluation", 1)[:, :256]
+    served = run_vllm(smollm2_nvfp4, windows, "The President said that", serve_python,
+                      timeout_s=900)
+    notes: list[str] = []
+    reference, act_layers = reference_logprobs(smollm2_nvfp4, windows, notes)
+    assert act_layers == 210  # NVFP4 is W4A4: every linear quantizes its input
+    result = compare_logprobs(smollm2_nvfp4, served, reference, ACTIVATION_QUANT_TOLERANCE)
+    assert result.passed, result.to_dict()
+    assert result.tokens == 255
+    assert 10 < result.vllm_ppl < 100, result.vllm_ppl  # a working language model
+    assert result.completion.strip()
+
+    broken = _swap_nibbles(smollm2_nvfp4, tmp_path / "swapped")
+    check_checkpoint(broken)  # structurally fine: only the numbers are wrong
+    reference, _ = reference_logprobs(broken, windows)
+    bad = compare_logprobs(broken, served, reference, ACTIVATION_QUANT_TOLERANCE)
+    assert not bad.passed
+    assert bad.transformers_ppl > 2 * bad.vllm_ppl, bad.to_dict()

@@ -38,8 +38,10 @@ __all__ = [
     "VerifyError",
     "VerifyResult",
     "check_checkpoint",
+    "compare_logprobs",
     "find_serve_python",
     "reference_logprobs",
+    "run_vllm",
     "verify_vllm",
 ]
 
@@ -338,14 +340,24 @@ def verify_vllm(
     reference, act_layers = reference_logprobs(folder, windows, notes)
     if tolerance is None:
         tolerance = ACTIVATION_QUANT_TOLERANCE if act_layers else WEIGHT_ONLY_TOLERANCE
+    return compare_logprobs(folder, served, reference, tolerance, notes)
+
+
+def compare_logprobs(folder: str | os.PathLike, served: dict, reference: list[list[float]],
+                     tolerance: Tolerance, notes: list[str] | None = None) -> VerifyResult:
+    """Judge vLLM's log-probs (``served``, the worker's result) against ``reference``."""
     a = torch.tensor(served["logprobs"], dtype=torch.float64)
     b = torch.tensor(reference, dtype=torch.float64)
+    if a.shape != b.shape:
+        raise VerifyError(f"vLLM returned log-probs of shape {tuple(a.shape)} for {folder}, "
+                          f"transformers {tuple(b.shape)}; the two did not score the same text")
     diff = (a - b).abs()
     result = VerifyResult(
         checkpoint=str(folder), tokens=int(diff.numel()),
         max_abs_diff=float(diff.max()), mean_abs_diff=float(diff.mean()),
         vllm_ppl=math.exp(-float(a.mean())), transformers_ppl=math.exp(-float(b.mean())),
-        completion=served["completion"], passed=False, tolerance=asdict(tolerance), notes=notes,
+        completion=served["completion"], passed=False, tolerance=asdict(tolerance),
+        notes=list(notes or []),
     )
     ppl_rel = abs(result.vllm_ppl - result.transformers_ppl) / result.transformers_ppl
     result.passed = (result.max_abs_diff <= tolerance.max_abs
