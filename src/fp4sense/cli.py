@@ -101,6 +101,35 @@ def _cmd_verify_vllm(args: argparse.Namespace) -> int:
     return EXIT_OK if result.passed else EXIT_VERIFY_FAILED
 
 
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _cmd_analyze(args: argparse.Namespace) -> int:
+    from fp4sense.api import analyze_model
+    from fp4sense.report import findings
+
+    modes = ["measured", "estimated"] if args.mode == "both" else [args.mode]
+    text = f"dataset:{args.dataset}" if args.dataset else args.text
+    report = analyze_model(
+        args.model, text=text, schemes=_csv(args.schemes), views=_csv(args.views),
+        modes=modes, n_windows=args.windows, window_tokens=args.tokens,
+        grid_blocks=[int(b) for b in _csv(args.grid_blocks)] if args.grid_blocks else None,
+        out_dir=args.out, cache=not args.no_cache, plots=not args.no_plots,
+        progress=not args.json, log=(lambda msg: print(msg, file=sys.stderr)) if args.json
+        else print,
+    )
+    if args.json:
+        print(json.dumps({"out": str(args.out), "base_ppl": report.base_ppl,
+                          "cost": report.cost, "correlations": report.correlations,
+                          "findings": findings(report)}, indent=2))
+    else:
+        print()
+        for line in findings(report):
+            print(f"- {line.replace('**', '')}")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fp4sense",
@@ -120,6 +149,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="name_or_path to record (e.g. the hub id)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.set_defaults(func=_cmd_convert_gguf)
+
+    p = sub.add_parser("analyze", help="layer-wise and block-wise FP4 sensitivity of MODEL "
+                       "(measured and/or estimated), written as a report")
+    p.add_argument("model", nargs="?", default=None,
+                   help="hub id or local folder (default: the bundled SmolLM2-135M)")
+    p.add_argument("--schemes", default="NVFP4,MXFP4",
+                   help="comma-separated schemes of the menu (see `fp4sense schemes`)")
+    p.add_argument("--views", default="component,block",
+                   help="comma-separated views: component, block, grid")
+    p.add_argument("--mode", choices=["measured", "estimated", "both"], default="measured",
+                   help="measured (isolation runs), estimated (one Fisher pass), or both")
+    p.add_argument("--grid-blocks", default=None,
+                   help="measure the grid only for these blocks (comma-separated)")
+    p.add_argument("--windows", type=int, default=8, help="analysis windows (default 8)")
+    p.add_argument("--tokens", type=int, default=512, help="tokens per window")
+    text = p.add_mutually_exclusive_group()
+    text.add_argument("--text", default=None, help="analysis text file (default: protocol "
+                      "calibration split)")
+    text.add_argument("--dataset", default=None, help="HF dataset NAME[:CONFIG[:SPLIT]]")
+    p.add_argument("--out", type=Path, default=Path("fp4sense-analysis"),
+                   help="output folder (sensitivity.json, report.md, plots)")
+    p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.set_defaults(func=_cmd_analyze)
 
     p = sub.add_parser("verify-vllm", help="check that vLLM loads CHECKPOINT and computes the "
                        "same log-probs as transformers (runs the serve environment)")

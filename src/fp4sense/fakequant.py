@@ -1,0 +1,129 @@
+"""What a unit computes under a scheme, in memory: fake-quantized weights and activations.
+
+The sensitivity analysis perturbs one unit at a time and needs, fast and without
+llm-compressor's calibration machinery, the same numbers a checkpoint would carry:
+
+- FP4 weights go through :mod:`fp4sense.formats` (bit for bit compressed-tensors'),
+  with the NVFP4 global scale shared by the parts of a fused group, as llm-compressor
+  writes it;
+- FP8 / INT8 / INT4 weights use compressed-tensors' own ``calculate_qparams`` and
+  ``fake_quantize`` on min / max taken per channel or per group (what the default
+  min-max observer sees);
+- input activations use compressed-tensors' ``forward_quantize`` with the scheme's
+  dynamic arguments; NVFP4 inputs need a static global scale, made from the input's
+  absolute maximum over the analysis text (as llm-compressor calibrates it).
+
+Weights are quantized in the checkpoint dtype (bf16 by default, what llm-compressor
+loads) and handed back in the model's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from fp4sense import formats
+from fp4sense.schemes import Scheme, get_scheme, to_quantization_scheme
+
+__all__ = ["activation_quantizer", "quantize_weights", "round_to_e2m1"]
+
+
+def _minmax_qdq(weight: torch.Tensor, args) -> torch.Tensor:
+    """compressed-tensors fake quantization with min-max qparams (channel or group)."""
+    from compressed_tensors.quantization import QuantizationStrategy
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    if args.strategy == QuantizationStrategy.CHANNEL:
+        lo, hi = weight.amin(dim=1, keepdim=True), weight.amax(dim=1, keepdim=True)
+    elif args.strategy == QuantizationStrategy.GROUP:
+        grouped = weight.unflatten(-1, (-1, args.group_size))
+        lo, hi = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    else:  # pragma: no cover - no menu scheme uses another weight strategy
+        raise ValueError(f"unsupported weight strategy {args.strategy}")
+    scale, zero_point = calculate_qparams(lo, hi, args)
+    return fake_quantize(weight, scale, zero_point, args)
+
+
+@torch.no_grad()
+def quantize_weights(
+    scheme: str | Scheme,
+    weights: Sequence[torch.Tensor],
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[torch.Tensor]:
+    """Fake-quantized copies of ``weights`` (the parts of one unit) under ``scheme``.
+
+    The parts of a fused group are passed together: NVFP4 gives them one global scale.
+    """
+    s = get_scheme(scheme)
+    out_dtype = [w.dtype for w in weights]
+    ws = [w.detach().to(dtype) for w in weights]
+    if s.weight_format is None:
+        result = ws
+    elif s.is_fp4:
+        fmt = formats.get_format(s.weight_format)
+        gs = formats.global_scale(*ws) if fmt.has_global_scale else None
+        result = [formats.quantize_dequantize(w, fmt, global_scale=gs) for w in ws]
+    else:
+        args = to_quantization_scheme(s, ["Linear"]).weights
+        result = [_minmax_qdq(w, args) for w in ws]
+    return [r.to(d) for r, d in zip(result, out_dtype, strict=True)]
+
+
+def activation_quantizer(
+    scheme: str | Scheme, input_amax: float | None = None
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A function fake-quantizing a linear's input as ``scheme`` serves it, or None when
+    the scheme keeps activations in 16 bits. NVFP4 needs ``input_amax``."""
+    from compressed_tensors.quantization import QuantizationStatus
+    from compressed_tensors.quantization.lifecycle.forward import forward_quantize
+    from compressed_tensors.quantization.utils import (
+        compute_dynamic_scales_and_zp,
+        generate_gparam,
+    )
+
+    s = get_scheme(scheme)
+    if s.activations is None:
+        return None
+    args = to_quantization_scheme(s, ["Linear"]).input_activations
+    # forward_quantize reads the status and the global scale from a module
+    holder = torch.nn.Module()
+    holder.quantization_status = QuantizationStatus.FROZEN
+    if s.weight_format == "nvfp4":
+        if input_amax is None:
+            raise ValueError(f"{s.name} quantizes inputs under a static global scale: "
+                             "pass the input's absolute maximum")
+        amax = torch.tensor(float(input_amax))
+        holder.input_global_scale = generate_gparam(-amax, amax)
+
+    if not s.is_fp4:
+        def quantize(x: torch.Tensor) -> torch.Tensor:
+            return forward_quantize(holder, x, "input", args)
+
+        return quantize
+
+    global_scale = getattr(holder, "input_global_scale", None)
+
+    def quantize_fp4(x: torch.Tensor) -> torch.Tensor:
+        # compressed-tensors' own scales, then its quantize-dequantize steps in the same
+        # order with a faster (bit-identical) E2M1 rounding; tests compare the two
+        scale, _ = compute_dynamic_scales_and_zp(x, args, holder, global_scale)
+        scale = scale.unsqueeze(-1)
+        if global_scale is not None:
+            scale = scale / global_scale
+        scaled = torch.clamp(x.unflatten(-1, (-1, args.group_size)) / scale,
+                             -formats.E2M1_MAX, formats.E2M1_MAX)
+        return (round_to_e2m1(scaled).to(scale.dtype) * scale).flatten(-2).to(x.dtype)
+
+    return quantize_fp4
+
+
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Nearest E2M1 value (ties to the even code), for ``|x| <= 6``: the same values as
+    compressed-tensors' eager ``cast_to_fp4``, in a few vector passes. Steps are 0.5
+    below 2, 1 below 4 and 2 up to 6, so rounding ``x / step`` half-to-even is exact."""
+    a = x.abs()
+    r = torch.where(a < 2, torch.round(a * 2) / 2,
+                    torch.where(a < 4, torch.round(a), torch.round(a / 2) * 2))
+    return r.clamp_(max=formats.E2M1_MAX) * torch.sign(x)

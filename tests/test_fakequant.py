@@ -1,0 +1,93 @@
+"""In-memory fake quantization equals what llm-compressor writes and compressed-tensors
+reads back, bit for bit, for every scheme of the menu."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp4sense.fakequant import activation_quantizer, quantize_weights
+from fp4sense.schemes import MENU
+
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _groups(block: str) -> list[list[str]]:
+    attn, mlp = f"{block}.self_attn", f"{block}.mlp"
+    return [[f"{attn}.{p}" for p in FUSED[0]], [f"{mlp}.{p}" for p in FUSED[1]],
+            [f"{attn}.o_proj"], [f"{mlp}.down_proj"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["NVFP4A16", "MXFP4A16", "FP8_DYNAMIC", "INT8", "INT4"])
+def test_weights_equal_the_decompressed_checkpoint(scheme, tiny_llama, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from test_schemes import _calibration, _oneshot
+
+    data = _calibration(tiny_llama) if MENU[scheme].activations else None
+    ck = _oneshot(tiny_llama, scheme, tmp_path / scheme, dataset=data)
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
+    served = AutoModelForCausalLM.from_pretrained(ck, dtype=torch.bfloat16)
+    served(input_ids=torch.tensor([[1, 2]]))  # the first forward decompresses
+    base_w = {n: m.weight for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)}
+    served_w = {n: m.weight for n, m in served.named_modules()
+                if isinstance(m, torch.nn.Linear)}
+    checked = 0
+    for block in ("model.layers.0", "model.layers.1"):
+        for names in _groups(block):
+            ours = quantize_weights(scheme, [base_w[n].float() for n in names])
+            for name, w in zip(names, ours, strict=True):
+                assert torch.equal(w.to(torch.bfloat16), served_w[name].data), (scheme, name)
+                checked += 1
+    assert checked == 14
+
+
+def test_activation_quantizer_matches_the_formats_module():
+    x = torch.randn(3, 5, 64) * 3
+    mx = activation_quantizer("MXFP4")
+    from fp4sense.formats import quantize_dequantize_activations
+
+    assert torch.equal(mx(x), quantize_dequantize_activations(x, "mxfp4"))
+    assert activation_quantizer("NVFP4A16") is None
+    with pytest.raises(ValueError, match="absolute maximum"):
+        activation_quantizer("NVFP4")
+    nv = activation_quantizer("NVFP4", input_amax=float(x.abs().max()))
+    y = nv(x)
+    assert y.shape == x.shape and not torch.equal(y, x)
+    assert (y - x).abs().max() < 0.5 * x.abs().max()
+    fp8 = activation_quantizer("FP8_DYNAMIC")(x)
+    assert (fp8 - x).abs().max() < 0.07 * x.abs().max()
+
+
+def test_e2m1_rounding_equals_compressed_tensors_on_every_boundary():
+    from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
+
+    grid = torch.arange(-6.0, 6.0 + 1e-9, 1 / 64)  # every tie and boundary, both signs
+    x = torch.cat([grid, (torch.randn(100_000) * 3).clamp(-6, 6)])
+    from fp4sense.fakequant import round_to_e2m1
+
+    assert torch.equal(round_to_e2m1(x), cast_to_fp4(x.clone()))
+
+
+@pytest.mark.parametrize("scheme", ["NVFP4", "MXFP4", "FP8_DYNAMIC", "INT8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_quantizer_equals_compressed_tensors_forward_quantize(scheme, dtype):
+    from compressed_tensors.quantization import QuantizationStatus
+    from compressed_tensors.quantization.lifecycle.forward import forward_quantize
+    from compressed_tensors.quantization.utils import generate_gparam
+
+    from fp4sense.schemes import to_quantization_scheme
+
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(2, 33, 128, generator=g) * torch.logspace(-3, 2, 128)).to(dtype)
+    x[0, 0, :16] = 0  # an all-zero block
+    amax = float(x.abs().max())
+    ref_module = torch.nn.Module()
+    ref_module.quantization_status = QuantizationStatus.FROZEN
+    if scheme == "NVFP4":
+        t = torch.tensor(amax)
+        ref_module.input_global_scale = generate_gparam(-t, t)
+    args = to_quantization_scheme(scheme, ["Linear"]).input_activations
+    expected = forward_quantize(ref_module, x.clone(), "input", args)
+    assert torch.equal(activation_quantizer(scheme, amax)(x), expected)
