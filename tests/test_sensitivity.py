@@ -1,0 +1,312 @@
+"""Units, measured and estimated sensitivity, the report file, the cache, `fp4sense analyze`."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4sense.sensitivity import (
+    ReportError,
+    SensitivityReport,
+    _Analysis,
+    _Cache,
+    analyze,
+    spearman,
+)
+from fp4sense.units import UnitError, find_units
+
+FP4SENSE = str(Path(sys.executable).parent / "fp4sense")
+
+
+def _random_windows(n=3, length=64, seed=0):
+    return torch.randint(0, 49152, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+def _tiny_model(config_cls, **kw):
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    base.update(kw)
+    return AutoModelForCausalLM.from_config(config_cls(**base)).eval()
+
+
+# --- units ---------------------------------------------------------------------------
+def test_llama_units_and_fused_groups(tiny):
+    units = find_units(tiny)
+    assert units.blocks_path == "model.layers" and units.n_blocks == 2
+    assert units.kinds == ["self_attn.q_proj+k_proj+v_proj", "self_attn.o_proj",
+                           "mlp.gate_proj+up_proj", "mlp.down_proj"]
+    assert len(units.units) == 8 and len(units.linears()) == 14
+    qkv = units.by_name()["1:self_attn.q_proj+k_proj+v_proj"]
+    assert qkv.modules == tuple(f"model.layers.1.self_attn.{p}_proj" for p in "qkv")
+    assert qkv.out_features == (128, 64, 64) and qkv.in_features == 128
+    assert units.outside == ["lm_head"]
+
+
+@pytest.mark.parametrize("family", ["Qwen2", "Mistral", "Gemma", "Qwen3"])
+def test_other_families_split_by_structure(family):
+    import transformers
+
+    config_cls = getattr(transformers, f"{family}Config")
+    extra = {"head_dim": 16} if family in ("Gemma", "Qwen3") else {}
+    units = find_units(_tiny_model(config_cls, **extra))
+    assert units.n_blocks == 3
+    fused = sorted(u.kind for u in units.units if u.fused and u.block == 0)
+    assert fused == ["mlp.gate_proj+up_proj", "self_attn.q_proj+k_proj+v_proj"], fused
+    assert len(units.units) == 12
+
+
+class _ToyBlock(torch.nn.Module):
+    """A decoder block of no known family: other names, other nesting."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.ln_a, self.ln_b = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.to_q, self.to_k, self.to_v = (torch.nn.Linear(d, d) for _ in range(3))
+        self.to_out = torch.nn.Linear(d, d)
+        self.ffn = torch.nn.ModuleDict({"w1": torch.nn.Linear(d, 2 * d),
+                                        "w3": torch.nn.Linear(d, 2 * d),
+                                        "w2": torch.nn.Linear(2 * d, d)})
+
+    def forward(self, x):
+        h = self.ln_a(x)
+        att = torch.nn.functional.scaled_dot_product_attention(
+            self.to_q(h), self.to_k(h), self.to_v(h), is_causal=True)
+        x = x + self.to_out(att)
+        h = self.ln_b(x)
+        return x + self.ffn["w2"](torch.nn.functional.silu(self.ffn["w1"](h))
+                                  * self.ffn["w3"](h))
+
+
+class _ToyLM(torch.nn.Module):
+    def __init__(self, vocab=256, d=64, n=3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = torch.nn.Embedding(vocab, d)
+        self.trunk = torch.nn.ModuleList(_ToyBlock(d) for _ in range(n))
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def get_input_embeddings(self):
+        return self.tok
+
+    def forward(self, input_ids):
+        x = self.tok(input_ids)
+        for block in self.trunk:
+            x = block(x)
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self.head(x))
+
+
+def test_a_model_of_no_known_family_is_split_by_structure():
+    """Fused groups come from shared inputs, not from names."""
+    model = _ToyLM().eval()
+    units = find_units(model)
+    assert units.blocks_path == "trunk" and units.n_blocks == 3
+    assert units.kinds == ["to_q+to_k+to_v", "to_out", "ffn.w1+w3", "ffn.w2"]
+    assert units.outside == ["head"]
+    report = analyze(model, torch.randint(0, 256, (2, 16)), schemes=["NVFP4"],
+                     views=["component", "grid"], modes=["measured", "estimated"],
+                     cache_dir=None, progress=False, log=lambda m: None)
+    assert len(report.table("grid", "NVFP4")) == 12
+    assert set(report.table("component", "NVFP4")) == {
+        "to_q+to_k+to_v", "to_q", "to_k", "to_v", "to_out", "ffn.w1+w3", "ffn.w1", "ffn.w3",
+        "ffn.w2"}
+
+
+def test_unknown_architecture_says_what_was_looked_for():
+    class NotADecoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+    with pytest.raises(UnitError, match="nn.ModuleList"):
+        find_units(NotADecoder())
+
+
+def test_units_a_format_cannot_take_are_left_out_and_named():
+    from transformers import LlamaConfig
+
+    model = _tiny_model(LlamaConfig, hidden_size=80, intermediate_size=200, head_dim=20)
+    report = analyze(model, torch.randint(0, 256, (2, 16)), schemes=["NVFP4", "MXFP4"],
+                     views=["component"], cache_dir=None, progress=False, log=lambda m: None)
+    reasons = {(s["unit"], s["scheme"]): s["reason"] for s in report.skipped}
+    # 80 inputs: NVFP4 (16) fits, MXFP4 (32) does not; down_proj's 200 fits neither
+    assert "not divisible by MXFP4's block size 32" in reasons[("0:self_attn.o_proj", "MXFP4")]
+    assert ("0:self_attn.o_proj", "NVFP4") not in reasons
+    assert ("2:mlp.down_proj", "NVFP4") in reasons
+    nv = report.table("component", "NVFP4")
+    assert "mlp.down_proj" not in nv and "self_attn.o_proj" in nv
+
+
+# --- measured: the replay shortcut changes nothing ------------------------------------
+def test_replayed_blocks_give_the_same_numbers_as_full_runs(tiny):
+    units = find_units(tiny)
+    run = _Analysis(tiny, _random_windows(), units, _Cache(None), progress=False)
+    unit = units.by_name()["1:mlp.gate_proj+up_proj"]
+    pert = {m: (unit, "NVFP4") for m in unit.modules}
+    fast = run.measure(pert)  # blocks < 1 replayed
+    full = run.measure(pert, start=0)
+    assert fast["block_forwards"] == 3 * 1 and full["block_forwards"] == 3 * 2
+    for key in ("kl", "dppl", "top1"):
+        assert fast[key] == pytest.approx(full[key], rel=1e-6, abs=1e-9), key
+    assert fast["kl"] > 0
+
+
+def test_protect_from_the_quantized_outputs_equals_a_full_run(tiny):
+    units = find_units(tiny)
+    run = _Analysis(tiny, _random_windows(), units, _Cache(None), progress=False)
+    everything = {m: (u, "MXFP4") for u in units.units for m in u.modules}
+    protect_1 = {m: v for m, v in everything.items() if v[0].block != 1}
+    source, whole = run.quantized_outputs("MXFP4", everything)
+    fast = run.measure(protect_1, start=1, source=source)
+    full = run.measure(protect_1, start=0)
+    assert fast["kl"] == pytest.approx(full["kl"], rel=1e-6)
+    assert whole["kl"] > 0
+
+
+def test_weights_are_restored_after_each_perturbation(tiny):
+    before = {k: v.clone() for k, v in tiny.state_dict().items()}
+    analyze(tiny, _random_windows(2, 32), schemes=["NVFP4", "INT8"], views=["block"],
+            cache_dir=None, progress=False, log=lambda m: None)
+    after = tiny.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in tiny.modules())
+    assert not any("forward" in vars(b) for b in tiny.model.layers)
+
+
+# --- estimated ------------------------------------------------------------------------
+def test_estimates_cover_every_unit_and_scheme(tiny):
+    report = analyze(tiny, _random_windows(2, 32), schemes=["NVFP4", "MXFP4A16", "INT8"],
+                     views=["component", "block", "grid"], modes=["estimated"],
+                     cache_dir=None, progress=False, log=lambda m: None)
+    for scheme in ("NVFP4", "MXFP4A16", "INT8"):
+        grid = report.table("grid", scheme, "estimated")
+        assert len(grid) == 8 and all(e.kl > 0 and math.isfinite(e.kl) for e in grid.values())
+        # views are sums of their units
+        iso = report.table("block_isolate", scheme, "estimated")
+        assert iso["0"].kl == pytest.approx(sum(e.kl for t, e in grid.items()
+                                                if t.startswith("0:")), rel=1e-9)
+    # 8-bit damage is far below 4-bit damage
+    assert report.table("model", "INT8", "estimated")["all"].kl < \
+        0.2 * report.table("model", "NVFP4", "estimated")["all"].kl
+
+
+@pytest.mark.slow
+def test_estimate_ranks_smollm2_units_like_measurement(assets):
+    """On the real model the one-pass estimate orders units as the isolation runs do."""
+    from fp4sense.api import analysis_windows, load_model
+
+    model, tok, _ = load_model(None)
+    windows = analysis_windows(tok, None, 2, 128)
+    report = analyze(model, windows, schemes=["NVFP4"], views=["grid"],
+                     modes=["measured", "estimated"], grid_blocks=[0, 11, 29],
+                     cache_dir=None, progress=False, log=lambda m: None)
+    (corr,) = [c for c in report.correlations if c["view"] == "grid"]
+    assert corr["n"] == 12 and corr["spearman"] > 0.6, corr
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 1, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833, rel=1e-6)
+    assert math.isnan(spearman([1, 2], [1, 2]))
+
+
+# --- report file and cache ------------------------------------------------------------
+def test_report_round_trip_and_refusals(tiny, tmp_path):
+    report = analyze(tiny, _random_windows(2, 32), schemes=["NVFP4"], views=["component"],
+                     cache_dir=None, progress=False, log=lambda m: None)
+    path = report.save(tmp_path / "sensitivity.json")
+    again = SensitivityReport.load(path, model_fingerprint=report.model_fingerprint)
+    assert again.entries == report.entries and again.units == report.units
+    with pytest.raises(ReportError, match="not this one"):
+        SensitivityReport.load(path, model_fingerprint="0123456789abcdef")
+    d = json.loads(path.read_text())
+    d["version"] = 99
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    with pytest.raises(ReportError, match="version 99"):
+        SensitivityReport.load(tmp_path / "old.json")
+
+
+def test_interrupted_analysis_resumes_where_it_stopped(tiny, tmp_path, monkeypatch):
+    windows = _random_windows(2, 32)
+    kw = dict(schemes=["NVFP4"], views=["block"], cache_dir=tmp_path, progress=False,
+              log=lambda m: None)
+    calls = {"n": 0}
+    real = _Analysis.measure
+
+    def dies_after_three(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(_Analysis, "measure", dies_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        analyze(tiny, windows, **kw)
+    monkeypatch.setattr(_Analysis, "measure", real)
+    resumed = analyze(tiny, windows, **kw)
+    # model (1 + capture), isolate 0 and 1 ran before the interruption
+    assert resumed.cost["cached_entries"] == 3
+    fresh = analyze(tiny, windows, **{**kw, "cache_dir": None})
+    assert [e.kl for e in resumed.entries] == pytest.approx([e.kl for e in fresh.entries])
+    # other text: nothing reused
+    other = analyze(tiny, _random_windows(2, 32, seed=1), **kw)
+    assert other.cost["cached_entries"] == 0
+
+
+# --- the command ----------------------------------------------------------------------
+def _analyze_cli(*args, cwd=None):
+    return subprocess.run([FP4SENSE, "analyze", *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd)
+
+
+@pytest.mark.slow
+def test_cli_writes_report_plots_and_json(tiny_llama, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("The state of our union is strong. " * 400)
+    out = tmp_path / "analysis"
+    proc = _analyze_cli(tiny_llama, "--schemes", "nvfp4,mxfp4", "--views",
+                        "component,block,grid", "--mode", "both", "--windows", "2",
+                        "--tokens", "64", "--text", text, "--out", out, "--no-cache")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for name in ("sensitivity.json", "report.md", "components.png", "blocks.png", "grid.png"):
+        assert (out / name).is_file(), name
+    md = (out / "report.md").read_text()
+    assert "## Findings" in md and "Spearman" in md and "Activation outliers" in md
+    report = SensitivityReport.load(out / "sensitivity.json")
+    assert {e.mode for e in report.entries} == {"measured", "estimated"}
+    assert report.cost["measured_block_forwards"] < report.cost["naive_block_forwards"]
+
+
+def test_cli_bad_input_is_one_clear_line(tiny_llama, tmp_path):
+    proc = _analyze_cli(tiny_llama, "--schemes", "nvfp3", "--out", tmp_path / "o")
+    assert proc.returncode == 1
+    assert "unknown scheme 'nvfp3'" in proc.stderr and "MXFP4A16" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+    short = tmp_path / "short.txt"
+    short.write_text("Too short.")
+    proc = _analyze_cli(tiny_llama, "--text", short, "--windows", "2", "--tokens", "64",
+                        "--out", tmp_path / "o2")
+    assert proc.returncode == 1 and "need 128" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+    proc = _analyze_cli(tiny_llama, "--views", "layers", "--out", tmp_path / "o3")
+    assert proc.returncode == 1 and "unknown view 'layers'" in proc.stderr
