@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -92,3 +93,218 @@ def analyze_model(
         for key, path in paths.items():
             log(f"{key:12s} {path}")
     return report
+
+
+# --- evaluation -----------------------------------------------------------------------
+def evaluate_checkpoint(
+    checkpoint: str | os.PathLike,
+    *,
+    base: str | os.PathLike | None = None,
+    text: str | os.PathLike | None = None,
+    n_windows: int = 16,
+    window_tokens: int = 512,
+    as_served: bool = False,
+    progress: bool = True,
+) -> dict:
+    """``fp4sense eval``: PPL, KL vs base and top-1 agreement on the evaluation windows,
+    and the measured effective bits, of any compressed-tensors checkpoint (float32).
+
+    :param base: the unquantized model (default: the one the checkpoint records).
+    :param as_served: compute MXFP4A16 layers as W4A4, as vLLM serves them.
+    """
+    import json
+
+    from transformers import AutoTokenizer
+
+    from fp4sense.data import load_text, make_windows
+    from fp4sense.metrics import compare_models, effective_bits
+    from fp4sense.quantized import load_checkpoint
+    from fp4sense.verify import check_checkpoint
+
+    folder = Path(checkpoint)
+    check_checkpoint(folder)
+    if base is None:
+        base = _recorded_base(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    what = str(text) if text is not None else "the evaluation split"
+    windows = make_windows(tokenizer, load_text(text, "evaluation"), n_windows, window_tokens,
+                           what=what)
+    base_model, _, _ = load_model(base)
+    quant, act_layers, notes = load_checkpoint(folder, promote_mxfp4=as_served)
+    comparison = compare_models(base_model, quant, windows,
+                                desc="evaluating" if progress else "")
+    bits = effective_bits(folder)
+    qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
+    return {
+        "checkpoint": str(folder), "base": str(base), **comparison.to_dict(),
+        "effective_bits": bits["bits"], "linear_bytes": bits["bytes"],
+        "format": qcfg.get("format"), "activation_quantized_layers": act_layers,
+        "windows": n_windows, "window_tokens": window_tokens,
+        "text": str(text) if text is not None else "protocol evaluation split",
+        "notes": notes,
+    }
+
+
+def _recorded_base(folder: Path) -> str:
+    """The base model a checkpoint names (plan.json, then config's _name_or_path)."""
+    import json
+
+    candidates = []
+    plan = folder / "plan.json"
+    if plan.is_file():
+        candidates.append(json.loads(plan.read_text()).get("model"))
+    config = json.loads((folder / "config.json").read_text())
+    candidates.append(config.get("_name_or_path"))
+    for cand in candidates:
+        if cand and Path(cand).is_dir() and (Path(cand) / "config.json").is_file():
+            return cand
+    raise ValueError(f"{folder} does not name a base model that is on this machine "
+                     f"(found {[c for c in candidates if c]}); pass --base MODEL")
+
+
+# --- quantization ---------------------------------------------------------------------
+def quantize_model(
+    model: str | os.PathLike | None = None,
+    *,
+    out_dir: str | os.PathLike,
+    budget_bits: float | None = None,
+    budget_bytes: int | None = None,
+    kl_target: float | None = None,
+    menu: Sequence[str] = ("NVFP4", "FP8_DYNAMIC", "BF16"),
+    sensitivity: str | os.PathLike | None = None,
+    sensitivity_mode: str | None = None,
+    pins: dict[str, str] | None = None,
+    gptq: bool = False,
+    text: str | os.PathLike | None = None,
+    calib_windows: int = 32,
+    estimate_windows: int = DEFAULT_ANALYSIS_WINDOWS,
+    window_tokens: int = 512,
+    evaluate: bool = True,
+    overwrite: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """``fp4sense quantize``: plan under the budget and quantize with llm-compressor's
+    oneshot (SensitivityGuidedModifier, optionally + GPTQModifier), writing the
+    compressed checkpoint with plan.json, sensitivity.json, recipe.yaml and a model card.
+
+    Works in a temporary folder beside ``out_dir`` and renames it at the end, so an
+    interrupted run never leaves a checkpoint that looks complete. Without
+    ``overwrite`` a non-empty ``out_dir`` is refused before anything runs.
+    """
+    import shutil
+    import tempfile
+    import time
+
+    from fp4sense.planner import plan_cost, solve
+    from fp4sense.schemes import get_scheme
+    from fp4sense.sensitivity import analyze
+
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise ValueError(f"{out} exists and is not empty; choose another --out or pass "
+                         "--overwrite")
+    menu = [get_scheme(s).name for s in menu]
+    if sum(x is not None for x in (budget_bits, budget_bytes, kl_target)) != 1:
+        raise ValueError("give exactly one of --budget, --budget-bytes, --kl-target")
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+
+    hf_model, tokenizer, notes = load_model(model)
+    source = str(model) if model is not None else hf_model.config._name_or_path
+    calib = analysis_windows(tokenizer, text, calib_windows, window_tokens)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    work.chmod(0o777 & ~umask)  # a normal folder once published, not mkdtemp's 0700
+    try:
+        if sensitivity is not None:
+            from fp4sense.sensitivity import SensitivityReport
+            from fp4sense.units import model_fingerprint
+
+            report = SensitivityReport.load(sensitivity, model_fingerprint(hf_model))
+        else:
+            t = time.perf_counter()
+            quantized = [s for s in menu if get_scheme(s).preset is not None]
+            report = analyze(hf_model, calib[:estimate_windows], schemes=quantized,
+                             views=["grid"], modes=["estimated"], cache_dir=None,
+                             text={"source": str(text) if text else
+                                   "protocol calibration split"},
+                             progress=progress, log=log)
+            timings["sensitivity_s"] = time.perf_counter() - t
+        report.save(work / "sensitivity.json")
+        lo, hi = plan_cost(report.units, menu)
+        plan = solve(report, budget_bits=budget_bits, budget_bytes=budget_bytes,
+                     kl_target=kl_target, menu=menu, pins=pins, mode=sensitivity_mode)
+        log(f"plan: {plan.schemes()}, {plan.bits:.3f} bits per weight (menu reaches "
+            f"{lo:.2f}–{hi:.2f}), predicted KL {plan.predicted_kl:.4f}")
+        del hf_model
+
+        t = time.perf_counter()
+        recipe = _oneshot_plan(source, calib, work, budget_bits=budget_bits,
+                               budget_bytes=budget_bytes, kl_target=kl_target, menu=menu,
+                               pins=pins or {}, sensitivity_mode=sensitivity_mode, gptq=gptq)
+        timings["oneshot_s"] = time.perf_counter() - t
+        tokenizer.save_pretrained(work)
+        plan.save(work / "plan.json")
+        (work / "recipe.yaml").write_text(recipe)
+
+        result = {"plan": {"schemes": plan.schemes(), "bits_theory": plan.bits,
+                           "predicted_kl": plan.predicted_kl, "score": plan.score}}
+        if evaluate:
+            t = time.perf_counter()
+            result["eval"] = evaluate_checkpoint(work, base=source, progress=progress)
+            result["eval"]["checkpoint"] = str(out)
+            timings["eval_s"] = time.perf_counter() - t
+        timings["total_s"] = time.perf_counter() - t0
+        result["timings"] = {k: round(v, 1) for k, v in timings.items()}
+        from fp4sense.report import write_model_card
+
+        write_model_card(work, plan, result.get("eval"), source=source, notes=notes,
+                         gptq=gptq, name=out.name)
+        (work / "fp4sense-quantize.json").write_text(json.dumps(result, indent=1))
+        # publish: the finished folder replaces out_dir in one rename
+        if out.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            out.rename(trash / out.name)
+            work.rename(out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            work.rename(out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    result["out"] = str(out)
+    return result
+
+
+def _oneshot_plan(source: str, calib: torch.Tensor, work: Path, *, gptq: bool, **fields
+                  ) -> str:
+    """Run llm-compressor's oneshot with the plan's modifier; save compressed into
+    ``work``; return the recipe YAML that reproduces it (run from the checkpoint folder,
+    with fp4sense-llmcompressor installed)."""
+    import yaml
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import fp4sense_llmcompressor  # noqa: F401  (registers the modifier)
+    from fp4sense_llmcompressor import SensitivityGuidedModifier
+
+    fields = {k: v for k, v in fields.items() if v is not None}
+    modifier = SensitivityGuidedModifier(sensitivity=str(work / "sensitivity.json"), **fields)
+    recipe = [modifier]
+    stage = {"SensitivityGuidedModifier": {"sensitivity": "sensitivity.json", **fields}}
+    if gptq:
+        from llmcompressor.modifiers.gptq import GPTQModifier
+
+        recipe.append(GPTQModifier())
+        stage["GPTQModifier"] = {}
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    data = Dataset.from_dict({"input_ids": calib.tolist(),
+                              "attention_mask": torch.ones_like(calib).tolist()})
+    oneshot(model=model, recipe=recipe, dataset=data, num_calibration_samples=len(calib),
+            max_seq_length=calib.shape[1], processor=AutoTokenizer.from_pretrained(source))
+    model.save_pretrained(work, save_compressed=True)
+    return yaml.safe_dump({"quant_stage": {"quant_modifiers": stage}}, sort_keys=False)

@@ -79,6 +79,7 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 #: bump when the conversion's output changes: an older cached folder is then rebuilt
 MODEL_LAYOUT_VERSION = 2
 MODEL_BASE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+MODEL_LICENSE = "apache-2.0"  # of the base model, carried into model cards
 
 TEXT_PACKAGE = RegistryPackage(
     "npm",

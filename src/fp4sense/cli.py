@@ -130,6 +130,64 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _pins(values: list[str] | None) -> dict[str, str]:
+    pins = {}
+    for item in values or []:
+        pattern, sep, scheme = item.rpartition("=")
+        if not sep or not pattern:
+            raise ValueError(f"--pin {item!r}: write UNIT_OR_REGEX=SCHEME, e.g. "
+                             "'.*layers\\.0\\..*=BF16'")
+        pins[pattern] = scheme
+    return pins
+
+
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from fp4sense.api import quantize_model
+
+    text = f"dataset:{args.dataset}" if args.dataset else args.text
+    result = quantize_model(
+        args.model, out_dir=args.out, budget_bits=args.budget, budget_bytes=args.budget_bytes,
+        kl_target=args.kl_target, menu=_csv(args.menu), sensitivity=args.sensitivity,
+        sensitivity_mode=args.sensitivity_mode, pins=_pins(args.pin), gptq=args.gptq,
+        text=text, calib_windows=args.calib_windows, estimate_windows=args.windows,
+        window_tokens=args.tokens, evaluate=not args.no_eval, overwrite=args.overwrite,
+        progress=not args.json,
+        log=(lambda msg: print(msg, file=sys.stderr)) if args.json else print,
+    )
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"checkpoint        {result['out']}")
+        e = result.get("eval")
+        if e:
+            print(f"effective bits    {e['effective_bits']:.3f}")
+            print(f"KL vs base        {e['kl']:.4f} ± {e['kl_se']:.4f}")
+            print(f"perplexity        {e['ppl']:.3f} (base {e['base_ppl']:.3f})")
+            print(f"top-1 agreement   {e['top1']:.3f}")
+    return EXIT_OK
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from fp4sense.api import evaluate_checkpoint
+
+    r = evaluate_checkpoint(args.checkpoint, base=args.base, text=args.text,
+                            n_windows=args.windows, window_tokens=args.tokens,
+                            as_served=args.as_served, progress=not args.json)
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return EXIT_OK
+    print(f"checkpoint        {r['checkpoint']} ({r['format']})")
+    print(f"base              {r['base']}")
+    print(f"effective bits    {r['effective_bits']:.3f}")
+    print(f"KL vs base        {r['kl']:.4f} ± {r['kl_se']:.4f}")
+    print(f"perplexity        {r['ppl']:.3f} (base {r['base_ppl']:.3f})")
+    print(f"top-1 agreement   {r['top1']:.3f}")
+    print(f"tokens            {r['tokens']}")
+    for note in r["notes"]:
+        print(f"note              {note}")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fp4sense",
@@ -174,6 +232,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=_cmd_analyze)
+
+    p = sub.add_parser("quantize", help="plan under a budget from FP4 sensitivities and write a "
+                       "compressed-tensors checkpoint with llm-compressor")
+    p.add_argument("model", nargs="?", default=None,
+                   help="hub id or local folder (default: the bundled SmolLM2-135M)")
+    goal = p.add_mutually_exclusive_group(required=True)
+    goal.add_argument("--budget", type=float, help="average bits per weight, e.g. 4.75")
+    goal.add_argument("--budget-bytes", type=int, help="bytes of the decoder linears")
+    goal.add_argument("--kl-target", type=float, help="fewest bits with predicted KL below")
+    p.add_argument("--out", type=Path, required=True, help="checkpoint folder to write")
+    p.add_argument("--menu", default="NVFP4,FP8_DYNAMIC,BF16", help="schemes units may get")
+    p.add_argument("--sensitivity", type=Path, default=None,
+                   help="a saved sensitivity.json (default: estimate it now)")
+    p.add_argument("--sensitivity-mode", choices=["measured", "estimated"], default=None,
+                   help="which grid of the report to plan with")
+    p.add_argument("--pin", action="append", metavar="UNIT_OR_REGEX=SCHEME",
+                   help="force units to a scheme (repeatable)")
+    p.add_argument("--gptq", action="store_true", help="round weights with GPTQ after planning")
+    p.add_argument("--calib-windows", type=int, default=32, help="calibration windows")
+    p.add_argument("--windows", type=int, default=8,
+                   help="windows for the sensitivity estimate (the first calibration ones)")
+    p.add_argument("--tokens", type=int, default=512, help="tokens per window")
+    qtext = p.add_mutually_exclusive_group()
+    qtext.add_argument("--text", default=None, help="calibration text file")
+    qtext.add_argument("--dataset", default=None, help="HF dataset NAME[:CONFIG[:SPLIT]]")
+    p.add_argument("--no-eval", action="store_true", help="skip the evaluation for the card")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=_cmd_quantize)
+
+    p = sub.add_parser("eval", help="PPL, KL vs base, top-1 agreement and effective bits of a "
+                       "compressed-tensors checkpoint")
+    p.add_argument("checkpoint", type=Path, help="compressed-tensors checkpoint folder")
+    p.add_argument("--base", default=None, help="unquantized model (default: as recorded)")
+    p.add_argument("--text", default=None, help="evaluation text (default: protocol split)")
+    p.add_argument("--windows", type=int, default=16, help="evaluation windows")
+    p.add_argument("--tokens", type=int, default=512, help="tokens per window")
+    p.add_argument("--as-served", action="store_true",
+                   help="compute MXFP4A16 layers as W4A4, as vLLM serves them")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("verify-vllm", help="check that vLLM loads CHECKPOINT and computes the "
                        "same log-probs as transformers (runs the serve environment)")

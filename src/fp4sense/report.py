@@ -345,3 +345,143 @@ def write_analysis(report: SensitivityReport, out_dir: str | os.PathLike,
     md.write_text(markdown(report, made, notes or []))
     paths["report"] = md
     return paths
+
+
+# --- plan and model card ----------------------------------------------------------------
+SCHEME_COLOURS = {"BF16": "#d9d9d9", "FP8_DYNAMIC": "#4c72b0", "INT8": "#55a868",
+                  "NVFP4": "#dd8452", "NVFP4A16": "#f2b880", "MXFP4": "#c44e52",
+                  "MXFP4A16": "#e8a0a2", "INT4": "#8172b3"}
+
+
+def plot_plan(plan, path: Path) -> Path:
+    """Unit kind × block map of a plan's schemes."""
+    plt = _pyplot()
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    kinds: list[str] = []
+    blocks = 0
+    for c in plan.choices:
+        block, _, kind = c.unit.partition(":")
+        if kind not in kinds:
+            kinds.append(kind)
+        blocks = max(blocks, int(block) + 1)
+    used = sorted({c.scheme for c in plan.choices})
+    grid = np.full((len(kinds), blocks), np.nan)
+    for c in plan.choices:
+        block, _, kind = c.unit.partition(":")
+        grid[kinds.index(kind), int(block)] = used.index(c.scheme)
+    cmap = ListedColormap([SCHEME_COLOURS.get(s, "#999999") for s in used])
+    fig, ax = plt.subplots(figsize=(max(6, 0.3 * blocks), 1.4 + 0.45 * len(kinds)))
+    ax.imshow(grid, aspect="auto", cmap=cmap, vmin=-0.5, vmax=len(used) - 0.5,
+              interpolation="nearest")
+    ax.set_yticks(range(len(kinds)), [k.replace("self_attn.", "").replace("mlp.", "")
+                                      for k in kinds])
+    ax.set_xlabel("decoder block")
+    ax.set_title(f"Plan: {plan.bits:.2f} bits per weight, predicted KL {plan.predicted_kl:.3f}")
+    ax.legend(handles=[Patch(color=SCHEME_COLOURS.get(s, "#999999"), label=s) for s in used],
+              loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _hub_id(source: str) -> str | None:
+    """The hub id a model source stands for: itself, or what its local config records."""
+    import json
+
+    p = Path(source)
+    if not p.exists():
+        return source if source.count("/") == 1 else None
+    config = p / "config.json"
+    if config.is_file():
+        d = json.loads(config.read_text())
+        for key in ("_model_name_or_path", "_name_or_path"):
+            cand = d.get(key)
+            if isinstance(cand, str) and cand.count("/") == 1 and not Path(cand).exists():
+                return cand
+    return None
+
+
+def _license(hub_id: str | None) -> str | None:
+    from fp4sense.assets import MODEL_BASE_ID, MODEL_LICENSE
+
+    return MODEL_LICENSE if hub_id == MODEL_BASE_ID else None
+
+
+def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str,
+                     notes: list[str], gptq: bool = False, name: str | None = None) -> Path:
+    """README.md of a checkpoint: Hugging Face card metadata, what was done, the plan
+    (table and picture), measured figures, and how to serve it with vLLM."""
+    import yaml
+
+    folder = Path(folder)
+    plot_plan(plan, folder / "plan.png")
+    hub_id = _hub_id(source)
+    used = set(plan.schemes())
+    tags = ["fp4sense", "compressed-tensors", "llmcompressor", "vllm", "mixed-precision"]
+    tags += [t for t, hit in (("fp4", any("FP4" in s for s in used)),
+                              ("nvfp4", any(s.startswith("NVFP4") for s in used)),
+                              ("mxfp4", any(s.startswith("MXFP4") for s in used)),
+                              ("fp8", "FP8_DYNAMIC" in used)) if hit]
+    meta = {"base_model": hub_id, "base_model_relation": "quantized" if hub_id else None,
+            "license": _license(hub_id), "library_name": "transformers", "tags": tags,
+            "pipeline_tag": "text-generation"}
+    meta = {k: v for k, v in meta.items() if v is not None}
+    name = name or folder.name
+    by_scheme = plan.schemes()
+    lines = [
+        "---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", "",
+        f"# {hub_id or source}, FP4 mixed precision ({plan.bits:.2f} bits per weight)", "",
+        f"Quantized with [fp4sense](https://pypi.org/project/fp4sense/) "
+        f"{plan.fp4sense_version} and llm-compressor: each unit of the decoder (a fused "
+        "q/k/v or gate/up group, or a single linear) got the scheme that an exact budgeted "
+        f"plan chose from the menu {', '.join(plan.menu)}, minimizing the predicted damage "
+        f"(the sum of the units' {plan.score} FP4 sensitivities, KL) under "
+        f"{_objective(plan.objective)}." + (" Weights were then rounded with GPTQ." if gptq
+                                            else ""),
+        "lm_head and the embeddings are not quantized. The checkpoint is a standard "
+        "compressed-tensors checkpoint (`" + ("mixed-precision" if len(
+            [s for s in used if s != "BF16"]) > 1 else "single-format") + "`); loading it "
+        "needs no fp4sense code.", "",
+        *[f"> {n}" for n in notes], "",
+        "## Plan", "", "![plan](plan.png)", "",
+        "| scheme | units | share of weights |", "|---|---|---|",
+    ]
+    total = sum(c.numel for c in plan.choices)
+    for scheme, count in by_scheme.items():
+        share = sum(c.numel for c in plan.choices if c.scheme == scheme) / total
+        lines.append(f"| {scheme} | {count} | {share:.1%} |")
+    lines += ["", f"Predicted KL (sum over units): {plan.predicted_kl:.4f}. Per unit: "
+              "`plan.json`; sensitivities: `sensitivity.json`.", ""]
+    if evaluation:
+        e = evaluation
+        lines += ["## Measured", "",
+                  f"On {e['windows']} windows × {e['window_tokens']} tokens of {e['text']} "
+                  "(fp4sense protocol: float32 on CPU, next-token distributions against the "
+                  "unquantized model):", "",
+                  "| effective bits / weight | KL(base ‖ this) | perplexity | base perplexity "
+                  "| top-1 agreement |", "|---|---|---|---|---|",
+                  f"| {e['effective_bits']:.3f} | {e['kl']:.4f} ± {e['kl_se']:.4f} | "
+                  f"{e['ppl']:.3f} | {e['base_ppl']:.3f} | {e['top1']:.3f} |", ""]
+    lines += ["## Serve with vLLM", "", "```bash", f"vllm serve {name}",
+              "```", "", "or in Python: `vllm.LLM(model=\"<this folder or repo>\")`. NVFP4 "
+              "runs natively on Blackwell GPUs; FP8 on Hopper and newer. vLLM builds MXFP4 "
+              "layers as W4A4 even where a checkpoint says MXFP4A16.", "",
+              "## Reproduce", "", "From this folder, with `fp4sense-llmcompressor` installed:",
+              "", "```python", "import fp4sense_llmcompressor  # registers the modifier",
+              "from llmcompressor import oneshot",
+              f"oneshot(model=\"{hub_id or source}\", recipe=\"recipe.yaml\", dataset=...)",
+              "```", ""]
+    path = folder / "README.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _objective(objective: dict) -> str:
+    if "budget_bits" in objective:
+        return f"a budget of {objective['budget_bits']} bits per weight"
+    if "budget_bytes" in objective:
+        return f"a budget of {objective['budget_bytes']:,} bytes"
+    return f"the fewest bits keeping predicted KL under {objective['kl_target']}"

@@ -189,17 +189,25 @@ def find_units(model: torch.nn.Module, sample: torch.Tensor | None = None) -> Un
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
-    """A short hash of a model's weights and config (identifies it in reports and caches)."""
+    """A short hash of a model's weights and config (identifies it in reports and caches).
+
+    Weights are hashed as bf16, so one checkpoint loaded in float32 (analysis) or bf16
+    (llm-compressor) has one fingerprint."""
     import hashlib
     import json
 
     h = hashlib.sha256()
     config = getattr(model, "config", None)
     if config is not None:
-        h.update(json.dumps(config.to_diff_dict(), sort_keys=True, default=str).encode())
+        # not the loading details: dtype, where it was loaded from, library versions
+        skip = {"dtype", "torch_dtype", "_name_or_path", "_model_name_or_path",
+                "transformers_version",
+                "quantization_config", "architectures"}
+        described = {k: v for k, v in config.to_diff_dict().items() if k not in skip}
+        h.update(json.dumps(described, sort_keys=True, default=str).encode())
     for name, tensor in sorted(model.state_dict().items()):
         h.update(name.encode())
-        t = tensor.detach().contiguous().cpu()
+        t = tensor.detach().to(torch.bfloat16).contiguous().cpu()
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 

@@ -38,6 +38,7 @@ __all__ = [
     "VerifyError",
     "VerifyResult",
     "check_checkpoint",
+    "tensor_index",
     "compare_logprobs",
     "find_serve_python",
     "reference_logprobs",
@@ -128,7 +129,7 @@ def _safetensors_header(path: Path) -> dict:
     return header
 
 
-def _tensor_index(folder: Path) -> dict[str, dict]:
+def tensor_index(folder: Path) -> dict[str, dict]:
     """tensor name -> header entry, over every weight file the folder declares."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -180,7 +181,7 @@ def check_checkpoint(folder: str | os.PathLike) -> dict:
             f"{config_path}: no compressed-tensors quantization_config; quantize the model "
             "with llm-compressor (or fp4sense) first"
         )
-    tensors = _tensor_index(folder)
+    tensors = tensor_index(folder)
     modules = {k.rsplit(".", 1)[0] for k in tensors if k.endswith((".weight", ".weight_packed"))}
     ignore = qcfg.get("ignore") or []
     for group_name, group in (qcfg.get("config_groups") or {}).items():
@@ -224,65 +225,15 @@ def find_serve_python(explicit: str | os.PathLike | None = None) -> Path:
     )
 
 
-def _is_mxfp4(args) -> bool:
-    return (args is not None and args.num_bits == 4 and args.type == "float"
-            and args.group_size == 32)
-
-
-def apply_served_activation_quantization(model: torch.nn.Module) -> tuple[int, list[str]]:
-    """Quantize activations the way vLLM serves the checkpoint, with compressed-tensors' code.
-
-    transformers' load decompresses the weights and runs every linear unquantized, so on
-    its own it does not compute what vLLM serves for W4A4 schemes. This re-attaches
-    compressed-tensors' forward with the checkpoint's input activation arguments, and for
-    MXFP4 weights with none (MXFP4A16) the MXFP4 preset's, since vLLM runs those as W4A4.
-
-    :return: how many layers quantize their inputs, and notes on what was changed
-        beyond the checkpoint's own config
-    """
-    from compressed_tensors.quantization import preset_name_to_scheme
-    from compressed_tensors.quantization.lifecycle.forward import set_forward_quantized
-
-    mxfp4_inputs = preset_name_to_scheme("MXFP4", ["Linear"]).input_activations
-    promoted = quantized = 0
-    for module in model.modules():
-        scheme = getattr(module, "quantization_scheme", None)
-        if scheme is None or scheme.weights is None:
-            continue
-        inputs = scheme.input_activations
-        if inputs is None and _is_mxfp4(scheme.weights):
-            inputs, promoted = mxfp4_inputs, promoted + 1
-        if inputs is None:
-            continue
-        # weights are already decompressed: only the inputs are quantized from here on
-        module.quantization_scheme = scheme.model_copy(
-            update={"weights": None, "input_activations": inputs})
-        set_forward_quantized(module)
-        quantized += 1
-    notes = []
-    if promoted:
-        notes.append(f"vLLM builds MXFP4 layers as W4A4 (dynamic MXFP4 activations) even "
-                     f"when the checkpoint says MXFP4A16; the reference does the same "
-                     f"({promoted} layers)")
-    return quantized, notes
-
-
 @torch.no_grad()
 def reference_logprobs(folder: str | os.PathLike, windows: torch.Tensor,
                        notes: list[str] | None = None) -> tuple[list[list[float]], int]:
     """Per-token log-probs from transformers' own load of the checkpoint, in float32,
     and the number of layers whose activations are quantized."""
-    from transformers import AutoModelForCausalLM
-
     from fp4sense.metrics import next_token_logprobs
+    from fp4sense.quantized import load_checkpoint
 
-    # compressed-tensors decompresses FP4 weights to bf16 on the first forward; loading
-    # straight into float32 then fails on a dtype mismatch. So load in bf16, let one
-    # forward decompress, then compute in float32.
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-    model(input_ids=windows[:1, :2])
-    model.to(torch.float32)
-    act_layers, added = apply_served_activation_quantization(model)
+    model, act_layers, added = load_checkpoint(folder, promote_mxfp4=True)
     if notes is not None:
         notes.extend(added)
     out = []

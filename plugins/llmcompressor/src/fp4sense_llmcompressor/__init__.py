@@ -5,12 +5,18 @@ Importing this package registers, with the hosts' own registries:
   * fp4sense's schemes missing from compressed-tensors' preset table
     (``NVFP4_SEARCH``, ``NVFP4A16_SEARCH``, ``MXFP4_SEARCH``, ``MXFP4A16_SEARCH``,
     ``INT4``), so ``QuantizationModifier(scheme="NVFP4A16_SEARCH")`` works in Python
-    and in YAML recipes.
+    and in YAML recipes;
+  * ``SensitivityGuidedModifier`` (llm-compressor's ModifierFactory), so recipes name it
+    like any built-in modifier.
 """
 
+from llmcompressor.modifiers.factory import ModifierFactory
+
 from fp4sense.schemes import register_presets
+from fp4sense_llmcompressor.modifier import SensitivityGuidedModifier
 from fp4sense_llmcompressor.observers import ScaleSearchObserver
 
 register_presets()
+ModifierFactory.register(SensitivityGuidedModifier.__name__, SensitivityGuidedModifier)
 
-__all__ = ["ScaleSearchObserver"]
+__all__ = ["ScaleSearchObserver", "SensitivityGuidedModifier"]

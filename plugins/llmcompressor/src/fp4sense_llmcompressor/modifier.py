@@ -1,0 +1,110 @@
+"""SensitivityGuidedModifier: a QuantizationModifier whose config groups come from a plan.
+
+At initialization it reads (or computes) a sensitivity report, solves the budgeted plan
+with :func:`fp4sense.planner.solve`, and quantizes with the plan's config groups
+(``group_0 … group_N``, fused groups whole, lm_head and embeddings untouched). From
+then on it is llm-compressor's own QuantizationModifier: same calibration, same
+checkpoint. Usable from Python and from YAML recipes once this package is imported::
+
+    quant_stage:
+      quant_modifiers:
+        SensitivityGuidedModifier:
+          budget_bits: 4.75
+          menu: [NVFP4, FP8_DYNAMIC, BF16]
+          sensitivity: sensitivity.json
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from llmcompressor.core import State
+from llmcompressor.modifiers.quantization import QuantizationModifier
+from pydantic import PrivateAttr
+
+from fp4sense.planner import DEFAULT_MENU, Plan, solve
+from fp4sense.sensitivity import SensitivityReport, analyze
+from fp4sense.units import model_fingerprint
+
+__all__ = ["SensitivityGuidedModifier"]
+
+
+class SensitivityGuidedModifier(QuantizationModifier):
+    """Mixed-precision quantization planned from FP4 sensitivities under a budget.
+
+    :param budget_bits: average stored bits per weight over the decoder linears (e.g.
+        4.75); give exactly one of budget_bits, budget_bytes, kl_target.
+    :param budget_bytes: total bytes of the decoder linears' stored tensors.
+    :param kl_target: the fewest bits whose predicted KL stays under this value.
+    :param menu: schemes a unit may get (fp4sense's menu names; BF16 = left alone).
+    :param sensitivity: path of a saved sensitivity.json (``fp4sense analyze``); when
+        unset, an estimated grid is computed now from the calibration data.
+    :param sensitivity_mode: which grid of the report to use (measured / estimated;
+        default: measured where it covers every unit).
+    :param analysis_windows: calibration samples the on-the-fly estimate uses.
+    :param pins: unit name or module regex -> scheme, forced whatever the scores say.
+    :param plan_path: where to write plan.json (optional).
+    """
+
+    budget_bits: float | None = None
+    budget_bytes: int | None = None
+    kl_target: float | None = None
+    menu: list[str] = list(DEFAULT_MENU)
+    sensitivity: str | None = None
+    sensitivity_mode: str | None = None
+    analysis_windows: int = 8
+    pins: dict[str, str] = {}
+    plan_path: str | None = None
+    # the plan decides the schemes; NVFP4 inputs and the estimate need calibration data
+    requires_calibration_data: bool = True
+
+    _plan: Plan | None = PrivateAttr(None)
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan solved at initialization."""
+        return self._plan
+
+    def on_initialize(self, state: State, **kwargs) -> bool:
+        """Solve the plan, install its config groups, then initialize as usual."""
+        report = self._sensitivity(state)
+        self._plan = solve(report, budget_bits=self.budget_bits,
+                           budget_bytes=self.budget_bytes, kl_target=self.kl_target,
+                           menu=self.menu, pins=self.pins, mode=self.sensitivity_mode)
+        if self.plan_path:
+            self._plan.save(self.plan_path)
+        self.config_groups = self._plan.config_groups()
+        self.scheme = None
+        self.ignore = sorted(set(self.ignore) | set(report.units.outside))
+        self._resolved_config = None  # resolved once at construction, before the plan
+        return super().on_initialize(state, **kwargs)
+
+    def _sensitivity(self, state: State) -> SensitivityReport:
+        model = state.model
+        if self.sensitivity:
+            return SensitivityReport.load(Path(self.sensitivity),
+                                          model_fingerprint=model_fingerprint(model))
+        windows = _calibration_windows(state, self.analysis_windows)
+        quantized = [s for s in self.menu if s.upper() != "BF16"]
+        return analyze(model, windows, schemes=quantized, views=["grid"],
+                       modes=["estimated"], cache_dir=None, log=lambda msg: None)
+
+
+def _calibration_windows(state: State, n: int) -> torch.Tensor:
+    """The first ``n`` calibration samples as an (n, T) tensor (cut to the shortest)."""
+    loader = getattr(getattr(state, "data", None), "calib", None)
+    if loader is None:
+        raise ValueError("SensitivityGuidedModifier without `sensitivity` estimates it from "
+                         "the calibration data: pass a dataset to oneshot")
+    rows: list[torch.Tensor] = []
+    for batch in loader:
+        ids = batch["input_ids"] if isinstance(batch, dict) else batch[0]
+        for row in torch.as_tensor(ids).reshape(-1, torch.as_tensor(ids).shape[-1]):
+            rows.append(row)
+            if len(rows) == n:
+                break
+        if len(rows) == n:
+            break
+    length = min(len(r) for r in rows)
+    return torch.stack([r[:length] for r in rows]).to(torch.long)

@@ -1,0 +1,280 @@
+"""Budgeted allocation: one scheme per unit, least predicted damage under a budget -> Plan.
+
+The problem is a multiple-choice knapsack: unit ``u`` takes scheme ``s`` at a cost of
+``bits(u, s)`` stored bits and a predicted damage ``d(u, s)`` (the unit's KL in a
+:class:`~fp4sense.sensitivity.SensitivityReport` grid; 0 for BF16). fp4sense solves it
+exactly as a 0/1 integer program with HiGHS (``scipy.optimize.milp``):
+
+    minimize   Σ d(u,s) x(u,s)
+    subject to Σ_s x(u,s) = 1 for every unit,  Σ bits(u,s) x(u,s) <= budget,
+
+or, for a damage target, the fewest bits with Σ d x <= target. Fused groups are units,
+so they get one scheme whole; a scheme a unit's shape cannot take is not offered; pins
+force a unit (by unit name or a regex over its modules) to a scheme.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from fp4sense import __version__
+from fp4sense.schemes import bits_per_weight, get_scheme, to_quantization_scheme
+from fp4sense.sensitivity import SensitivityReport
+from fp4sense.units import Unit, UnitMap
+
+__all__ = ["DEFAULT_MENU", "PLAN_VERSION", "Plan", "PlanError", "plan_cost", "solve"]
+
+PLAN_VERSION = 1
+DEFAULT_MENU = ("NVFP4", "FP8_DYNAMIC", "BF16")
+
+
+class PlanError(ValueError):
+    """A budget, menu, pin or report the planner cannot use (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One unit's scheme in a plan."""
+
+    unit: str
+    scheme: str
+    bits: float  # stored bits per weight of the unit under the scheme
+    numel: int
+    damage: float  # predicted KL contribution
+    modules: tuple[str, ...]
+
+
+@dataclass
+class Plan:
+    """unit -> scheme, with its cost and predicted damage; saved as plan.json."""
+
+    choices: list[Choice]
+    menu: list[str]
+    objective: dict  # {"budget_bits": 4.75} | {"budget_bytes": n} | {"kl_target": x}
+    score: str  # what damage means: "measured" | "estimated" | "weight_mse" | ...
+    model: str = ""
+    model_fingerprint: str = ""
+    blocks_path: str = ""
+    pins: dict[str, str] = field(default_factory=dict)
+    version: int = PLAN_VERSION
+    fp4sense_version: str = __version__
+
+    @property
+    def bits(self) -> float:
+        """Average stored bits per weight over the quantizable linears (theory)."""
+        return (sum(c.bits * c.numel for c in self.choices)
+                / sum(c.numel for c in self.choices))
+
+    @property
+    def predicted_kl(self) -> float:
+        return float(sum(c.damage for c in self.choices))
+
+    def schemes(self) -> dict[str, int]:
+        """scheme -> number of units."""
+        out: dict[str, int] = {}
+        for c in self.choices:
+            out[c.scheme] = out.get(c.scheme, 0) + 1
+        return dict(sorted(out.items()))
+
+    def targets(self) -> dict[str, list[str]]:
+        """scheme -> compressed-tensors targets (one regex per unit kind) for its units."""
+        by: dict[str, dict[str, list[str]]] = {}
+        for c in self.choices:
+            if get_scheme(c.scheme).preset is None:
+                continue
+            block, _, kind = c.unit.partition(":")
+            by.setdefault(c.scheme, {}).setdefault(kind, []).append(block)
+        out: dict[str, list[str]] = {}
+        for scheme, kinds in by.items():
+            out[scheme] = []
+            for kind, blocks in kinds.items():
+                parent, _, leaves = kind.rpartition(".")
+                leaf = leaves.split("+")
+                leaf_re = re.escape(leaf[0]) if len(leaf) == 1 else \
+                    "(" + "|".join(re.escape(x) for x in leaf) + ")"
+                path = (re.escape(parent) + r"\." if parent else "") + leaf_re
+                nums = "|".join(sorted(blocks, key=int))
+                out[scheme].append(f"re:^{re.escape(self.blocks_path)}\\.({nums})\\.{path}$")
+        return out
+
+    def config_groups(self) -> dict:
+        """``group_0 … group_N`` compressed-tensors schemes (names vLLM expects)."""
+        return {f"group_{i}": to_quantization_scheme(scheme, targets)
+                for i, (scheme, targets) in enumerate(sorted(self.targets().items()))}
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["achieved_bits_theory"] = self.bits
+        d["predicted_kl"] = self.predicted_kl
+        d["schemes"] = self.schemes()
+        return d
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Plan:
+        d = json.loads(Path(path).read_text())
+        if d.get("version") != PLAN_VERSION:
+            raise PlanError(f"{path}: plan layout version {d.get('version')!r}, this fp4sense "
+                            f"reads {PLAN_VERSION}; plan again")
+        for key in ("achieved_bits_theory", "predicted_kl", "schemes"):
+            d.pop(key, None)
+        d["choices"] = [Choice(**{**c, "modules": tuple(c["modules"])}) for c in d["choices"]]
+        return cls(**d)
+
+
+def unit_bits(unit: Unit, scheme: str) -> float:
+    """Stored bits per weight of ``unit`` under ``scheme`` (its linears together)."""
+    total = sum(bits_per_weight(scheme, (out, unit.in_features)) * out * unit.in_features
+                for out in unit.out_features)
+    return total / unit.numel
+
+
+def _pinned(unit: Unit, pins: Mapping[str, str]) -> str | None:
+    hit = None
+    for pattern, scheme in pins.items():
+        if pattern == unit.name or any(re.fullmatch(pattern, m) for m in unit.modules):
+            if hit is not None and hit != scheme:
+                raise PlanError(f"unit {unit.name} is pinned to both {hit} and {scheme}")
+            hit = get_scheme(scheme).name
+    return hit
+
+
+def plan_cost(units: UnitMap, menu: Sequence[str]) -> tuple[float, float]:
+    """The (lowest, highest) average bits per weight ``menu`` can reach on ``units``."""
+    lo = hi = 0.0
+    total = 0
+    for u in units.units:
+        options = [unit_bits(u, s) for s in menu if u.feasible(s) is None] or [16.0]
+        lo += min(options) * u.numel
+        hi += max(options) * u.numel
+        total += u.numel
+    return lo / total, hi / total
+
+
+def solve(
+    report: SensitivityReport,
+    *,
+    budget_bits: float | None = None,
+    budget_bytes: int | None = None,
+    kl_target: float | None = None,
+    menu: Sequence[str] = DEFAULT_MENU,
+    pins: Mapping[str, str] | None = None,
+    mode: str | None = None,
+    damage: Mapping[str, Mapping[str, float]] | None = None,
+    score: str | None = None,
+) -> Plan:
+    """The exact optimum plan for one objective (give exactly one of the three).
+
+    :param mode: which grid of the report to use ("measured" or "estimated"; default:
+        measured where it covers every unit, else estimated).
+    :param damage: scheme -> unit name -> damage, instead of the report's grid (e.g. a
+        weight-error score); ``score`` names it in the plan.
+    """
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    objectives = [x is not None for x in (budget_bits, budget_bytes, kl_target)]
+    if sum(objectives) != 1:
+        raise PlanError("give exactly one of budget_bits, budget_bytes, kl_target")
+    menu = list(dict.fromkeys(get_scheme(s).name for s in menu))  # unknown names -> menu
+    pins = {k: get_scheme(v).name for k, v in (pins or {}).items()}
+    units = report.units.units
+
+    if damage is None:
+        damage, score = _report_damage(report, menu, mode)
+    options: list[tuple[int, str, float, float]] = []  # (unit index, scheme, bits, damage)
+    for i, u in enumerate(units):
+        forced = _pinned(u, pins)
+        allowed = [forced] if forced else menu
+        row = []
+        for s in allowed:
+            why = u.feasible(s)
+            if why:
+                if forced:
+                    raise PlanError(f"unit {u.name} is pinned to {s}, but {why}")
+                continue
+            d = 0.0 if get_scheme(s).preset is None else damage[s].get(u.name)
+            if d is None:
+                raise PlanError(f"the sensitivity report has no {s} score for unit {u.name}; "
+                                f"analyze with --views grid and --schemes including {s}")
+            row.append((i, s, unit_bits(u, s), max(float(d), 0.0)))
+        if not row:
+            row.append((i, "BF16", 16.0, 0.0))  # nothing on the menu fits: left alone
+        options += row
+
+    n = len(options)
+    numel = np.array([units[i].numel for i, *_ in options], dtype=np.float64)
+    bits = np.array([b for _, _, b, _ in options]) * numel
+    dmg = np.array([d for *_, d in options])
+    pick = np.zeros((len(units), n))
+    for j, (i, *_) in enumerate(options):
+        pick[i, j] = 1
+    constraints = [LinearConstraint(pick, 1, 1)]
+    total = sum(u.numel for u in units)
+    lo, hi = _range(options, units)
+    if kl_target is not None:
+        cost = bits / total
+        constraints.append(LinearConstraint(dmg[None], 0, kl_target))
+    else:
+        limit = budget_bits * total if budget_bits is not None else budget_bytes * 8
+        if limit < lo * total - 1e-6:
+            asked = (f"{budget_bits} bits per weight" if budget_bits is not None
+                     else f"{budget_bytes:,} bytes")
+            raise PlanError(
+                f"budget {asked} is below what the menu {', '.join(menu)} can reach on this "
+                f"model: {lo:.3f}–{hi:.3f} bits per weight "
+                f"({lo * total / 8:,.0f}–{hi * total / 8:,.0f} bytes)")
+        cost = dmg
+        constraints.append(LinearConstraint(bits[None], 0, limit))
+    res = milp(c=cost, constraints=constraints, integrality=np.ones(n), bounds=Bounds(0, 1),
+               options={"presolve": True})
+    if res.status != 0 or res.x is None:
+        if kl_target is not None:
+            raise PlanError(f"no plan on the menu {', '.join(menu)} keeps the predicted KL "
+                            f"under {kl_target}; raise the target or add a wider scheme")
+        raise PlanError(f"the planner found no solution ({res.message})")  # pragma: no cover
+    chosen = [options[j] for j in np.flatnonzero(res.x > 0.5)]
+    choices = [Choice(units[i].name, s, b, units[i].numel, d, units[i].modules)
+               for i, s, b, d in sorted(chosen)]
+    objective = ({"budget_bits": budget_bits} if budget_bits is not None else
+                 {"budget_bytes": budget_bytes} if budget_bytes is not None else
+                 {"kl_target": kl_target})
+    return Plan(choices, menu, objective, score or "custom", report.model,
+                report.model_fingerprint, report.units.blocks_path, dict(pins))
+
+
+def _range(options, units) -> tuple[float, float]:
+    total = sum(u.numel for u in units)
+    lo: dict[int, float] = {}
+    hi: dict[int, float] = {}
+    for i, _, b, _ in options:
+        lo[i] = min(lo.get(i, b), b)
+        hi[i] = max(hi.get(i, b), b)
+    return (sum(lo[i] * units[i].numel for i in lo) / total,
+            sum(hi[i] * units[i].numel for i in hi) / total)
+
+
+def _report_damage(report: SensitivityReport, menu: Sequence[str], mode: str | None
+                   ) -> tuple[dict[str, dict[str, float]], str]:
+    names = {u.name for u in report.units.units}
+    quantized = [s for s in menu if get_scheme(s).preset is not None]
+    missing = [s for s in quantized if s not in report.schemes]
+    if missing:
+        raise PlanError(f"the sensitivity report covers {', '.join(report.schemes)}, not "
+                        f"{', '.join(missing)}; analyze again with --schemes including them "
+                        "or change the menu")
+    if mode is None:
+        full = all(set(report.unit_scores(s, "measured")) >= names for s in quantized)
+        mode = "measured" if full else "estimated"
+    out = {s: report.unit_scores(s, mode) for s in quantized}
+    return out, mode
