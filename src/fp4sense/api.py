@@ -180,6 +180,7 @@ def quantize_model(
     estimate_windows: int = DEFAULT_ANALYSIS_WINDOWS,
     window_tokens: int = 512,
     evaluate: bool = True,
+    eval_windows: int = 16,
     overwrite: bool = False,
     progress: bool = True,
     log: Callable[[str], None] = print,
@@ -254,7 +255,9 @@ def quantize_model(
                            "predicted_kl": plan.predicted_kl, "score": plan.score}}
         if evaluate:
             t = time.perf_counter()
-            result["eval"] = evaluate_checkpoint(work, base=source, progress=progress)
+            result["eval"] = evaluate_checkpoint(work, base=source, n_windows=eval_windows,
+                                                 window_tokens=window_tokens,
+                                                 progress=progress)
             result["eval"]["checkpoint"] = str(out)
             timings["eval_s"] = time.perf_counter() - t
         timings["total_s"] = time.perf_counter() - t0

@@ -150,7 +150,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         kl_target=args.kl_target, menu=_csv(args.menu), sensitivity=args.sensitivity,
         sensitivity_mode=args.sensitivity_mode, pins=_pins(args.pin), gptq=args.gptq,
         text=text, calib_windows=args.calib_windows, estimate_windows=args.windows,
-        window_tokens=args.tokens, evaluate=not args.no_eval, overwrite=args.overwrite,
+        window_tokens=args.tokens, evaluate=not args.no_eval, eval_windows=args.eval_windows,
+        overwrite=args.overwrite,
         progress=not args.json,
         log=(lambda msg: print(msg, file=sys.stderr)) if args.json else print,
     )
@@ -257,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     qtext = p.add_mutually_exclusive_group()
     qtext.add_argument("--text", default=None, help="calibration text file")
     qtext.add_argument("--dataset", default=None, help="HF dataset NAME[:CONFIG[:SPLIT]]")
+    p.add_argument("--eval-windows", type=int, default=16,
+                   help="evaluation windows for the model card's figures")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation for the card")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
