@@ -12,7 +12,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 CORE_MODULES = ["fp4sense", "fp4sense.formats", "fp4sense.schemes", "fp4sense.scale_search",
                 "fp4sense.data", "fp4sense.metrics", "fp4sense.assets", "fp4sense.gguf",
-                "fp4sense.quantized", "fp4sense.cli"]
+                "fp4sense.quantized", "fp4sense.cli", "fp4sense.fakequant", "fp4sense.units",
+                "fp4sense.sensitivity", "fp4sense.planner", "fp4sense.report", "fp4sense.api",
+                "fp4sense.verify"]
 
 
 def _python(exe, code: str, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -288,12 +288,16 @@ def _oneshot_plan(source: str, calib: torch.Tensor, work: Path, *, gptq: bool, *
     ``work``; return the recipe YAML that reproduces it (run from the checkpoint folder,
     with fp4sense-llmcompressor installed)."""
     import yaml
-    from datasets import Dataset
-    from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import fp4sense_llmcompressor  # noqa: F401  (registers the modifier)
-    from fp4sense_llmcompressor import SensitivityGuidedModifier
+    try:
+        from datasets import Dataset
+        from llmcompressor import oneshot
+
+        from fp4sense_llmcompressor import SensitivityGuidedModifier
+    except ImportError as exc:
+        raise ValueError(f"quantizing needs llm-compressor and the fp4sense-llmcompressor "
+                         f"plugin ({exc}); install them in this environment") from None
 
     fields = {k: v for k, v in fields.items() if v is not None}
     modifier = SensitivityGuidedModifier(sensitivity=str(work / "sensitivity.json"), **fields)

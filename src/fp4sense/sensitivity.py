@@ -249,6 +249,8 @@ class _Analysis:
         self.base_lp: list[torch.Tensor] = []
         self.stats: dict[str, dict] | None = None
         self.block_forwards = 0
+        # the unquantized weights (perturbations swap .data and put these back)
+        self.original = {m: self.modules[m].weight.data for m in units.linears()}
         self.qweights: dict[tuple[Unit, str], list[torch.Tensor]] = {}
         self.qweight_bytes = 0
         self.quant_out: tuple[str, list[list], dict] | None = None
@@ -257,7 +259,7 @@ class _Analysis:
         """The unit's fake-quantized weights (kept while under WEIGHT_CACHE_BYTES)."""
         ws = self.qweights.get((unit, scheme))
         if ws is None:
-            ws = quantize_weights(scheme, [self.modules[m].weight for m in unit.modules])
+            ws = quantize_weights(scheme, [self.original[m] for m in unit.modules])
             size = sum(w.numel() * w.element_size() for w in ws)
             if self.qweight_bytes + size <= WEIGHT_CACHE_BYTES:
                 self.qweights[(unit, scheme)] = ws
@@ -435,8 +437,10 @@ class _Analysis:
         return math.exp(float(np.mean(nll)))
 
     # --- estimated pass -----------------------------------------------------------------
-    def estimate(self, schemes: Sequence[str], seed: int = 0) -> dict[tuple[str, str], list]:
-        """(linear, scheme) -> per-window estimated KL contribution."""
+    def estimate(self, schemes: Sequence[str], seed: int = 0,
+                 context: Perturbation | None = None) -> dict[tuple[str, str], list]:
+        """(linear, scheme) -> per-window estimated KL contribution; with ``context``,
+        at the model where that perturbation is applied (a plan's other units quantized)."""
         self.base_pass()  # input maxima for NVFP4 activations
         linears = self.units.linears()
         unit_of = {m: u for u in self.units.units for m in u.modules}
@@ -466,6 +470,8 @@ class _Analysis:
             def hook(grad):
                 g2 = grad.float().pow(2)
                 x, y = inputs.pop(name), outputs.pop(name)
+                if context:  # the change is measured from the unquantized linear
+                    y = torch.nn.functional.linear(x, self.original[name], module.bias)
                 for s in schemes:
                     if (name, s) not in feasible:
                         continue
@@ -483,7 +489,10 @@ class _Analysis:
         gen = torch.Generator().manual_seed(seed)
         was_training = [p.requires_grad for p in self.model.parameters()]
         self.model.requires_grad_(False)
+        stack = ExitStack()
         try:
+            if context:
+                stack.enter_context(self.applied(context))
             for window in tqdm(self.windows, desc="estimating (forward + backward)",
                                leave=False, disable=not self.progress):
                 window_scores.clear()
@@ -498,6 +507,7 @@ class _Analysis:
                 inputs.clear()
                 outputs.clear()
         finally:
+            stack.close()
             for h in handles:
                 h.remove()
             for p, flag in zip(self.model.parameters(), was_training, strict=True):
@@ -562,12 +572,15 @@ def analyze(
     text: dict | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    context: dict[str, str] | None = None,
 ) -> SensitivityReport:
     """Run the analysis; finished entries are cached under ``cache_dir`` (resumable).
 
     :param model: a Hugging Face causal LM in float32 on CPU (or any device).
     :param windows: (n, T) analysis token windows.
     :param grid_blocks: measure the grid for these blocks only (default: all).
+    :param context: unit name -> scheme: estimate at the model quantized so (the
+        planner's refinement round re-scores units in the context of a plan).
     """
     schemes = check_request(schemes, views, modes)
     t0 = time.perf_counter()
@@ -631,9 +644,16 @@ def analyze(
     if "estimated" in modes:
         t = time.perf_counter()
         k = "estimated|linears|" + ",".join(schemes)
+        pert = None
+        if context:
+            by_name = units.by_name()
+            pert = {m: (by_name[u], s) for u, s in sorted(context.items())
+                    if get_scheme(s).preset is not None for m in by_name[u].modules}
+            k += "|context=" + hashlib.sha256(json.dumps(sorted(context.items())).encode()
+                                              ).hexdigest()[:12]
         hit = cache.get(k)
         if hit is None:
-            raw = run.estimate(schemes)
+            raw = run.estimate(schemes, context=pert)
             cache.put(k, {"scores": {f"{m}|{s}": v for (m, s), v in raw.items()}})
         else:
             raw = {tuple(key_.split("|")): v for key_, v in hit["scores"].items()}
