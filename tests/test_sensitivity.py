@@ -310,3 +310,41 @@ def test_cli_bad_input_is_one_clear_line(tiny_llama, tmp_path):
 
     proc = _analyze_cli(tiny_llama, "--views", "layers", "--out", tmp_path / "o3")
     assert proc.returncode == 1 and "unknown view 'layers'" in proc.stderr
+
+
+# --- offloaded blocks -------------------------------------------------------------------
+def test_offloaded_analysis_equals_in_memory_and_holds_one_block(tiny, tmp_path):
+    """With offload_dir only the running block's weights are in memory; the numbers are
+    the in-memory ones, and the model gets its weights back."""
+    from fp4sense import sensitivity
+
+    windows = _random_windows(2, 32)
+    kw = dict(schemes=["NVFP4", "FP8_DYNAMIC"], views=["component", "block", "grid"],
+              modes=["measured", "estimated"], cache_dir=None, progress=False,
+              log=lambda m: None)
+    before = {k: v.clone() for k, v in tiny.state_dict().items()}
+    in_memory = analyze(tiny, windows, **kw)
+
+    resident = []
+    real_measure = sensitivity._Analysis.measure
+
+    def watching(self, *args, **kwargs):
+        out = real_measure(self, *args, **kwargs)
+        # between runs no block holds weights
+        resident.append(sum(p.numel() for p in self.blocks.parameters()))
+        return out
+
+    sensitivity._Analysis.measure = watching
+    try:
+        offloaded = analyze(tiny, windows, offload_dir=tmp_path / "blocks", **kw)
+    finally:
+        sensitivity._Analysis.measure = real_measure
+    assert resident and max(resident) == 0
+    assert (tmp_path / "blocks" / "block_1.safetensors").is_file()
+    a = {e.key: e for e in in_memory.entries}
+    b = {e.key: e for e in offloaded.entries}
+    assert a.keys() == b.keys()
+    for key in a:
+        assert b[key].kl == pytest.approx(a[key].kl, rel=1e-5, abs=1e-9), key
+    after = tiny.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

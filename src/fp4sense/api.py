@@ -68,6 +68,7 @@ def analyze_model(
     out_dir: str | os.PathLike | None = None,
     cache: bool | str | os.PathLike = True,
     plots: bool = True,
+    offload_dir: str | os.PathLike | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> SensitivityReport:
@@ -86,7 +87,7 @@ def analyze_model(
         cache_dir=(cache_dir() / "analysis" if cache is True else Path(cache) if cache
                    else None),
         text={"source": str(text) if text is not None else "protocol calibration split"},
-        progress=progress, log=log,
+        progress=progress, log=log, offload_dir=offload_dir,
     )
     if out_dir is not None:
         paths = write_analysis(report, Path(out_dir), notes=notes, plots=plots)

@@ -116,8 +116,8 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         modes=modes, n_windows=args.windows, window_tokens=args.tokens,
         grid_blocks=[int(b) for b in _csv(args.grid_blocks)] if args.grid_blocks else None,
         out_dir=args.out, cache=not args.no_cache, plots=not args.no_plots,
-        progress=not args.json, log=(lambda msg: print(msg, file=sys.stderr)) if args.json
-        else print,
+        offload_dir=args.offload_dir, progress=not args.json,
+        log=(lambda msg: print(msg, file=sys.stderr)) if args.json else print,
     )
     if args.json:
         print(json.dumps({"out": str(args.out), "base_ppl": report.base_ppl,
@@ -231,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output folder (sensitivity.json, report.md, plots)")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--offload-dir", type=Path, default=None,
+                   help="keep decoder blocks on disk here, one in memory at a time")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=_cmd_analyze)
 

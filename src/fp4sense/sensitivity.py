@@ -233,11 +233,98 @@ def cache_key(fingerprint: str, windows: torch.Tensor) -> str:
 Perturbation = dict[str, tuple[Unit, str]]  # linear name -> (its unit, scheme)
 
 
+class _BlockStore:
+    """Offloaded decoder blocks: each block's parameters live in a safetensors file and are
+    loaded just before the block runs, then dropped (kept through a backward pass until
+    :meth:`release_all`). Perturbations are overrides applied on load."""
+
+    def __init__(self, model, blocks_path: str, folder: Path):
+        from safetensors.torch import save_file
+
+        self.blocks = model.get_submodule(blocks_path)
+        self.prefix = blocks_path
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.overrides: dict[str, torch.Tensor] = {}
+        self.loaded: set[int] = set()
+        self.handles = []
+        for i, block in enumerate(self.blocks):
+            state = {n: p.data.contiguous() for n, p in block.named_parameters()}
+            save_file(state, self.folder / f"block_{i}.safetensors")
+            self.handles.append(block.register_forward_pre_hook(self._load_hook(i)))
+            self.handles.append(block.register_forward_hook(self._drop_hook(i)))
+            self._drop(i)
+
+    def _file(self, i: int) -> Path:
+        return self.folder / f"block_{i}.safetensors"
+
+    def tensor(self, full_name: str) -> torch.Tensor:
+        """One stored tensor by its model-level name (``model.layers.3.mlp.up_proj.weight``)."""
+        from safetensors import safe_open
+
+        index, _, rest = full_name[len(self.prefix) + 1:].partition(".")
+        with safe_open(str(self._file(int(index))), "pt") as fh:
+            return fh.get_tensor(rest)
+
+    def _load(self, i: int) -> None:
+        from safetensors.torch import load_file
+
+        state = load_file(self._file(i))
+        for name, param in self.blocks[i].named_parameters():
+            full = f"{self.prefix}.{i}.{name}"
+            param.data = self.overrides.get(full, state[name])
+        self.loaded.add(i)
+
+    def _drop(self, i: int) -> None:
+        for param in self.blocks[i].parameters():
+            param.data = torch.empty(0, dtype=param.dtype)
+        self.loaded.discard(i)
+
+    def _load_hook(self, i: int):
+        def hook(module, args, kwargs=None):
+            if "forward" not in vars(module):  # a replayed block needs no weights
+                self._load(i)
+        return hook
+
+    def _drop_hook(self, i: int):
+        def hook(module, args, output):
+            if not torch.is_grad_enabled():
+                self._drop(i)
+        return hook
+
+    def release_all(self) -> None:
+        for i in list(self.loaded):
+            self._drop(i)
+
+    def close(self, restore: bool = True) -> None:
+        """Remove the hooks; with ``restore``, give every block its weights back."""
+        for h in self.handles:
+            h.remove()
+        if restore:
+            for i in range(len(self.blocks)):
+                self.overrides.clear()
+                self._load(i)
+        self.loaded.clear()
+
+
+class _Originals(dict):
+    """linear name -> unquantized weight, read from the block store when offloaded."""
+
+    def __init__(self, modules: dict, names: list[str], store: _BlockStore | None):
+        super().__init__()
+        self.modules, self.names, self.store = modules, names, store
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        if self.store is not None:
+            return self.store.tensor(f"{name}.weight")
+        return self.modules[name].weight.data
+
+
 class _Analysis:
     """Holds the model, the windows, the block-output cache and the entry cache."""
 
     def __init__(self, model, windows: torch.Tensor, units: UnitMap, cache: _Cache,
-                 progress: bool):
+                 progress: bool, offload_dir: Path | None = None):
         self.model = model
         self.windows = windows
         self.units = units
@@ -250,7 +337,12 @@ class _Analysis:
         self.stats: dict[str, dict] | None = None
         self.block_forwards = 0
         # the unquantized weights (perturbations swap .data and put these back)
-        self.original = {m: self.modules[m].weight.data for m in units.linears()}
+        if offload_dir is None:
+            self.store = None
+            self.original = {m: self.modules[m].weight.data for m in units.linears()}
+        else:
+            self.store = _BlockStore(model, units.blocks_path, offload_dir)
+            self.original = _Originals(self.modules, units.linears(), self.store)
         self.qweights: dict[tuple[Unit, str], list[torch.Tensor]] = {}
         self.qweight_bytes = 0
         self.quant_out: tuple[str, list[list], dict] | None = None
@@ -314,6 +406,7 @@ class _Analysis:
     def applied(self, perturbation: Perturbation):
         """Fake-quantize the named linears in place (and hook their inputs); undo after."""
         saved: list[tuple[torch.nn.Linear, torch.Tensor]] = []
+        overridden: list[str] = []
         handles = []
         by_unit: dict[tuple[Unit, str], list[str]] = {}
         for name, (unit, scheme) in perturbation.items():
@@ -325,8 +418,12 @@ class _Analysis:
                 for name, mod, qw in zip(unit.modules, mods, qws, strict=True):
                     if name not in names:
                         continue
-                    saved.append((mod, mod.weight.data))
-                    mod.weight.data = qw
+                    if self.store is not None:  # applied when the block is loaded
+                        self.store.overrides[f"{name}.weight"] = qw
+                        overridden.append(f"{name}.weight")
+                    else:
+                        saved.append((mod, mod.weight.data))
+                        mod.weight.data = qw
                     quantize_input = activation_quantizer(
                         scheme, self.stats[name]["absmax"] if self.stats else None)
                     if quantize_input is not None:
@@ -338,6 +435,8 @@ class _Analysis:
                 h.remove()
             for mod, w in saved:
                 mod.weight.data = w
+            for key in overridden:
+                self.store.overrides.pop(key, None)
 
     @contextmanager
     def replayed(self, start: int, current: dict, source: list[list]):
@@ -502,6 +601,8 @@ class _Analysis:
                     sampled = torch.multinomial(log_probs.detach().exp(), 1, generator=gen)
                     norm["tokens"] = logits.shape[0]
                     log_probs.gather(-1, sampled).sum().backward()
+                if self.store is not None:
+                    self.store.release_all()
                 for key in feasible:
                     scores[key].append(window_scores.get(key, 0.0))
                 inputs.clear()
@@ -573,6 +674,7 @@ def analyze(
     progress: bool = True,
     log: Callable[[str], None] = print,
     context: dict[str, str] | None = None,
+    offload_dir: str | os.PathLike | None = None,
 ) -> SensitivityReport:
     """Run the analysis; finished entries are cached under ``cache_dir`` (resumable).
 
@@ -581,6 +683,9 @@ def analyze(
     :param grid_blocks: measure the grid for these blocks only (default: all).
     :param context: unit name -> scheme: estimate at the model quantized so (the
         planner's refinement round re-scores units in the context of a plan).
+    :param offload_dir: keep only the running decoder block's weights in memory, the
+        others in safetensors files in this folder (models larger than memory); the
+        model gets its weights back at the end.
     """
     schemes = check_request(schemes, views, modes)
     t0 = time.perf_counter()
@@ -590,7 +695,18 @@ def analyze(
     cache = _Cache(Path(cache_dir) / f"{key}.jsonl" if cache_dir else None)
     if cache.items:
         log(f"resuming: {len(cache.items)} cached results ({cache.path})")
-    run = _Analysis(model, windows, units, cache, progress)
+    run = _Analysis(model, windows, units, cache, progress,
+                    Path(offload_dir) if offload_dir is not None else None)
+    try:
+        return _run_views(run, model, windows, units, cache, schemes, views, modes,
+                          grid_blocks, text, context, fingerprint, key, t0)
+    finally:
+        if run.store is not None:
+            run.store.close(restore=True)
+
+
+def _run_views(run: _Analysis, model, windows, units, cache, schemes, views, modes,
+               grid_blocks, text, context, fingerprint, key, t0) -> SensitivityReport:
 
     skipped = [{"unit": u.name, "scheme": s, "reason": u.feasible(s)}
                for u in units.units for s in schemes if u.feasible(s)]
@@ -609,7 +725,7 @@ def analyze(
                     if pert:
                         jobs.append((part, scheme, target, pert))
         t = time.perf_counter()
-        bar = tqdm(jobs, desc="measuring", disable=not progress, unit="run")
+        bar = tqdm(jobs, desc="measuring", disable=not run.progress, unit="run")
         for part, scheme, target, pert in bar:
             bar.set_postfix_str(f"{part} {scheme} {target}"[:40])
             k = f"measured|{part}|{scheme}|{target}"
