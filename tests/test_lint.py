@@ -14,6 +14,7 @@ def test_ruff_clean():
     ruff = Path(sys.executable).parent / "ruff"
     exe = str(ruff) if ruff.exists() else shutil.which("ruff")
     assert exe, "ruff is a dev dependency; install fp4sense[dev]"
-    proc = subprocess.run([exe, "check", "src", "plugins", "tests", "bench", "examples"],
+    proc = subprocess.run([exe, "check", "src", "plugins", "tests", "bench", "examples",
+                           "scripts"],
                           capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr

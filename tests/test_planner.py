@@ -132,3 +132,11 @@ def test_plan_round_trip(units, tmp_path):
     plan = solve(_report(units), budget_bits=5.0, menu=MENU)
     again = Plan.load(plan.save(tmp_path / "plan.json"))
     assert again.choices == plan.choices and again.bits == plan.bits
+
+
+def test_pins_in_compressed_tensors_form_and_typos(units):
+    report = _report(units)
+    plan = solve(report, budget_bits=12, menu=MENU, pins={r"re:.*mlp\.down_proj$": "BF16"})
+    assert all(c.scheme == "BF16" for c in plan.choices if c.unit.endswith("down_proj"))
+    with pytest.raises(PlanError, match="matches no unit"):
+        solve(report, budget_bits=12, menu=MENU, pins={r".*mlp\.dwn_proj": "BF16"})

@@ -140,10 +140,20 @@ def unit_bits(unit: Unit, scheme: str) -> float:
     return total / unit.numel
 
 
+def _pin_matches(pattern: str, unit: Unit) -> bool:
+    """A pin names a unit (``3:mlp.down_proj``) or matches module names: a regex, whole
+    name, or compressed-tensors' ``re:`` form (matched from the start)."""
+    if pattern == unit.name:
+        return True
+    if pattern.startswith("re:"):
+        return any(re.match(pattern[3:], m) for m in unit.modules)
+    return any(re.fullmatch(pattern, m) for m in unit.modules)
+
+
 def _pinned(unit: Unit, pins: Mapping[str, str]) -> str | None:
     hit = None
     for pattern, scheme in pins.items():
-        if pattern == unit.name or any(re.fullmatch(pattern, m) for m in unit.modules):
+        if _pin_matches(pattern, unit):
             if hit is not None and hit != scheme:
                 raise PlanError(f"unit {unit.name} is pinned to both {hit} and {scheme}")
             hit = get_scheme(scheme).name
@@ -189,6 +199,10 @@ def solve(
     menu = list(dict.fromkeys(get_scheme(s).name for s in menu))  # unknown names -> menu
     pins = {k: get_scheme(v).name for k, v in (pins or {}).items()}
     units = report.units.units
+    for pattern in pins:
+        if not any(_pin_matches(pattern, u) for u in units):
+            raise PlanError(f"pin {pattern!r} matches no unit; name a unit (e.g. "
+                            f"{units[0].name!r}) or a regex of module names")
 
     if damage is None:
         damage, score = _report_damage(report, menu, mode)
