@@ -189,6 +189,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _add_model_and_text(p: argparse.ArgumentParser, text_help: str) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="hub id or local folder (default: the bundled SmolLM2-135M)")
+    text = p.add_mutually_exclusive_group()
+    text.add_argument("--text", default=None, help=text_help)
+    text.add_argument("--dataset", default=None, help="HF dataset NAME[:CONFIG[:SPLIT]]")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fp4sense",
@@ -211,8 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("analyze", help="layer-wise and block-wise FP4 sensitivity of MODEL "
                        "(measured and/or estimated), written as a report")
-    p.add_argument("model", nargs="?", default=None,
-                   help="hub id or local folder (default: the bundled SmolLM2-135M)")
+    _add_model_and_text(p, "analysis text file (default: protocol calibration split)")
     p.add_argument("--schemes", default="NVFP4,MXFP4",
                    help="comma-separated schemes of the menu (see `fp4sense schemes`)")
     p.add_argument("--views", default="component,block",
@@ -223,10 +230,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure the grid only for these blocks (comma-separated)")
     p.add_argument("--windows", type=int, default=8, help="analysis windows (default 8)")
     p.add_argument("--tokens", type=int, default=512, help="tokens per window")
-    text = p.add_mutually_exclusive_group()
-    text.add_argument("--text", default=None, help="analysis text file (default: protocol "
-                      "calibration split)")
-    text.add_argument("--dataset", default=None, help="HF dataset NAME[:CONFIG[:SPLIT]]")
     p.add_argument("--out", type=Path, default=Path("fp4sense-analysis"),
                    help="output folder (sensitivity.json, report.md, plots)")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
@@ -238,8 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("quantize", help="plan under a budget from FP4 sensitivities and write a "
                        "compressed-tensors checkpoint with llm-compressor")
-    p.add_argument("model", nargs="?", default=None,
-                   help="hub id or local folder (default: the bundled SmolLM2-135M)")
+    _add_model_and_text(p, "calibration text file (default: protocol calibration split)")
     goal = p.add_mutually_exclusive_group(required=True)
     goal.add_argument("--budget", type=float, help="average bits per weight, e.g. 4.75")
     goal.add_argument("--budget-bytes", type=int, help="bytes of the decoder linears")
@@ -257,9 +259,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, default=8,
                    help="windows for the sensitivity estimate (the first calibration ones)")
     p.add_argument("--tokens", type=int, default=512, help="tokens per window")
-    qtext = p.add_mutually_exclusive_group()
-    qtext.add_argument("--text", default=None, help="calibration text file")
-    qtext.add_argument("--dataset", default=None, help="HF dataset NAME[:CONFIG[:SPLIT]]")
     p.add_argument("--eval-windows", type=int, default=16,
                    help="evaluation windows for the model card's figures")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation for the card")

@@ -38,6 +38,15 @@ def _pyplot():
     return plt
 
 
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _mode_for(report: SensitivityReport, view: str, scheme: str) -> str | None:
     for mode in ("measured", "estimated"):
         if report.table(view, scheme, mode):
@@ -69,10 +78,7 @@ def plot_components(report: SensitivityReport, path: Path) -> Path | None:
     ax.set_ylabel("KL(base ‖ quantized) per token")
     ax.set_title("Component view: one kind quantized in every block")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_blocks(report: SensitivityReport, path: Path) -> Path | None:
@@ -106,10 +112,7 @@ def plot_blocks(report: SensitivityReport, path: Path) -> Path | None:
     ax2.set_ylabel("KL(all quantized) − KL(all but this block)")
     ax2.axhline(0, color="grey", lw=0.5)
     ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_grid(report: SensitivityReport, path: Path) -> Path | None:
@@ -141,10 +144,7 @@ def plot_grid(report: SensitivityReport, path: Path) -> Path | None:
         ax.set_xlabel("decoder block")
         ax.set_title(f"Grid: each unit alone, {scheme} ({mode}; KL per token)")
         fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 # --- words and tables -----------------------------------------------------------------
@@ -215,6 +215,15 @@ def findings(report: SensitivityReport) -> list[str]:
     return out
 
 
+def _tables(report: SensitivityReport, view: str):
+    """(scheme, mode, target -> entry) for every non-empty table of ``view``."""
+    for scheme in report.schemes:
+        for mode in ("measured", "estimated"):
+            table = report.table(view, scheme, mode)
+            if table:
+                yield scheme, mode, table
+
+
 def _outlier_rows(report: SensitivityReport) -> list[str]:
     rows = []
     for kind in report.units.kinds:
@@ -254,41 +263,28 @@ def markdown(report: SensitivityReport, plots: dict[str, str], notes: list[str])
         if key in plots:
             lines += [f"![{title}]({plots[key]})", ""]
 
-    for scheme in report.schemes:
-        for mode in ("measured", "estimated"):
-            table = report.table("component", scheme, mode)
-            if not table:
-                continue
-            lines += [f"### Components, {scheme} ({mode})", "",
-                      "| component | KL | ΔPPL | top-1 agreement |", "|---|---|---|---|"]
-            for e in sorted(table.values(), key=lambda e: e.kl, reverse=True):
-                lines.append(f"| {e.target} | {_fmt(e.kl, e.kl_se)} | "
-                             f"{_fmt(e.dppl, e.dppl_se, 3)} | {_fmt(e.top1, e.top1_se, 3)} |")
-            lines.append("")
-    for scheme in report.schemes:
-        for mode in ("measured", "estimated"):
-            iso = report.table("block_isolate", scheme, mode)
-            if not iso:
-                continue
-            gain = protect_gain(report, scheme, mode)
-            lines += [f"### Blocks, {scheme} ({mode})", "",
-                      "| block | isolate KL | isolate ΔPPL | protect: KL saved |",
-                      "|---|---|---|---|"]
-            for b in sorted(iso, key=int):
-                e = iso[b]
-                lines.append(f"| {b} | {_fmt(e.kl, e.kl_se)} | {_fmt(e.dppl, e.dppl_se, 3)} "
-                             f"| {_fmt(gain.get(b))} |")
-            lines.append("")
-    for scheme in report.schemes:
-        for mode in ("measured", "estimated"):
-            grid = report.table("grid", scheme, mode)
-            if not grid:
-                continue
-            lines += [f"### Most sensitive units, {scheme} ({mode}; {len(grid)} units)", "",
-                      "| unit | KL |", "|---|---|"]
-            for e in sorted(grid.values(), key=lambda e: e.kl, reverse=True)[:10]:
-                lines.append(f"| {e.target} | {_fmt(e.kl, e.kl_se, 5)} |")
-            lines.append("")
+    for scheme, mode, table in _tables(report, "component"):
+        lines += [f"### Components, {scheme} ({mode})", "",
+                  "| component | KL | ΔPPL | top-1 agreement |", "|---|---|---|---|"]
+        lines += [f"| {e.target} | {_fmt(e.kl, e.kl_se)} | {_fmt(e.dppl, e.dppl_se, 3)} | "
+                  f"{_fmt(e.top1, e.top1_se, 3)} |"
+                  for e in sorted(table.values(), key=lambda e: e.kl, reverse=True)]
+        lines.append("")
+    for scheme, mode, iso in _tables(report, "block_isolate"):
+        gain = protect_gain(report, scheme, mode)
+        lines += [f"### Blocks, {scheme} ({mode})", "",
+                  "| block | isolate KL | isolate ΔPPL | protect: KL saved |",
+                  "|---|---|---|---|"]
+        lines += [f"| {b} | {_fmt(iso[b].kl, iso[b].kl_se)} | "
+                  f"{_fmt(iso[b].dppl, iso[b].dppl_se, 3)} | {_fmt(gain.get(b))} |"
+                  for b in sorted(iso, key=int)]
+        lines.append("")
+    for scheme, mode, grid in _tables(report, "grid"):
+        lines += [f"### Most sensitive units, {scheme} ({mode}; {len(grid)} units)", "",
+                  "| unit | KL |", "|---|---|"]
+        lines += [f"| {e.target} | {_fmt(e.kl, e.kl_se, 5)} |"
+                  for e in sorted(grid.values(), key=lambda e: e.kl, reverse=True)[:10]]
+        lines.append("")
     if report.correlations:
         lines += ["### Estimated vs measured", "", "| view | scheme | targets | Spearman ρ |",
                   "|---|---|---|---|"]
@@ -381,10 +377,7 @@ def plot_plan(plan, path: Path) -> Path:
     ax.set_title(f"Plan: {plan.bits:.2f} bits per weight, predicted KL {plan.predicted_kl:.3f}")
     ax.legend(handles=[Patch(color=SCHEME_COLOURS.get(s, "#999999"), label=s) for s in used],
               loc="upper left", bbox_to_anchor=(1.01, 1))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _hub_id(source: str) -> str | None:
