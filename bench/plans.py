@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--menus", default=",".join(MENUS))
     parser.add_argument("--cache", type=Path, default=RESULTS / ".plans-cache")
     parser.add_argument("--out", type=Path, default=RESULTS / "plans.json")
+    parser.add_argument("--refine-at", default="4.75",
+                        help="budgets at which the refinement round is tried (it costs a "
+                             "forward + backward pass per window each)")
     parser.add_argument("--no-checkpoint", action="store_true")
     parser.add_argument("--fresh", action="store_true")
     args = parser.parse_args(argv)
@@ -132,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key}: bits {item['bits']:.3f} KL {item['kl']:.4f}", flush=True)
         return item
 
+    refine_at = {float(b) for b in args.refine_at.split(",") if b}
     rows = []
     for menu_name in args.menus.split(","):
         menu = MENUS[menu_name]
@@ -161,12 +165,13 @@ def main(argv: list[str] | None = None) -> int:
                 "ours, estimated": solve(est, budget_bits=b, menu=menu, mode="estimated"),
                 "ours, measured": solve(meas, budget_bits=b, menu=menu, mode="measured"),
             }
-            first = {c.unit: c.scheme for c in plans["ours, estimated"].choices}
-            refined = analyze(model, calib[:args.windows], schemes=schemes, views=["grid"],
-                              modes=["estimated"], cache_dir=args.cache, context=first,
-                              log=lambda m: None, progress=False)
-            plans["ours, estimated + refined"] = solve(refined, budget_bits=b, menu=menu,
-                                                       mode="estimated")
+            if b in refine_at or f"{menu_name}|ours, estimated + refined|{b}" in done:
+                first = {c.unit: c.scheme for c in plans["ours, estimated"].choices}
+                refined = analyze(model, calib[:args.windows], schemes=schemes,
+                                  views=["grid"], modes=["estimated"], cache_dir=args.cache,
+                                  context=first, log=lambda m: None, progress=False)
+                plans["ours, estimated + refined"] = solve(refined, budget_bits=b, menu=menu,
+                                                           mode="estimated")
             for method, plan in plans.items():
                 assign = {c.unit: c.scheme for c in plan.choices}
                 r = evaluate(f"{menu_name}|{method}|{b}", assign)

@@ -335,6 +335,7 @@ class _Analysis:
         self.block_out: list[list] = []  # [block][window] -> the block's base output
         self.base_lp: list[torch.Tensor] = []
         self.stats: dict[str, dict] | None = None
+        self.base_ppl_value = float("nan")
         self.block_forwards = 0
         # the unquantized weights (perturbations swap .data and put these back)
         if offload_dir is None:
@@ -349,13 +350,21 @@ class _Analysis:
 
     def quantized(self, unit: Unit, scheme: str) -> list[torch.Tensor]:
         """The unit's fake-quantized weights (kept while under WEIGHT_CACHE_BYTES)."""
-        ws = self.qweights.get((unit, scheme))
-        if ws is None:
-            ws = quantize_weights(scheme, [self.original[m] for m in unit.modules])
-            size = sum(w.numel() * w.element_size() for w in ws)
-            if self.qweight_bytes + size <= WEIGHT_CACHE_BYTES:
-                self.qweights[(unit, scheme)] = ws
-                self.qweight_bytes += size
+        kept = self.qweights.get((unit, scheme))
+        if kept is not None:
+            return [w.to(self.original[m].dtype) for w, m in zip(kept, unit.modules,
+                                                                  strict=True)]
+        ws = quantize_weights(scheme, [self.original[m] for m in unit.modules])
+        # quantized in bf16, so bf16 keeps them exactly at half the memory of float32
+        compact = [w.to(torch.bfloat16) for w in ws]
+        if all(torch.equal(c.to(w.dtype), w) for c, w in zip(compact, ws, strict=True)):
+            ws_kept = compact
+        else:  # pragma: no cover - a model whose weights are not bf16-derived
+            ws_kept = ws
+        size = sum(w.numel() * w.element_size() for w in ws_kept)
+        if self.qweight_bytes + size <= WEIGHT_CACHE_BYTES:
+            self.qweights[(unit, scheme)] = ws_kept
+            self.qweight_bytes += size
         return ws
 
     # --- base pass: block outputs, base log-probs, activation statistics ---------------
@@ -365,6 +374,8 @@ class _Analysis:
             return
         n = len(self.windows)
         self.block_out = [[None] * n for _ in range(self.units.n_blocks)]
+        self.base_lp = []
+        nll: list[float] = []
         stats = {m: {"absmax": 0.0, "p999": []} for m in self.units.linears()}
         current = {"i": 0}
 
@@ -390,11 +401,14 @@ class _Analysis:
                 current["i"] = i
                 logits = self.model(input_ids=window[None]).logits[0].float()
                 keep = (i + 1) * logits.numel() * 4 <= BASE_LOGPROB_BYTES
-                self.base_lp.append(torch.log_softmax(logits, dim=-1) if keep else None)
+                log_probs = torch.log_softmax(logits, dim=-1)
+                nll.append(-float(log_probs[:-1].gather(-1, window[1:, None]).double().mean()))
+                self.base_lp.append(log_probs if keep else None)
         finally:
             for h in handles:
                 h.remove()
         self.block_forwards += n * self.units.n_blocks
+        self.base_ppl_value = math.exp(float(np.mean(nll)))
         self.stats = {}
         for m, s in stats.items():
             p999 = float(np.mean(s["p999"]))
@@ -508,6 +522,11 @@ class _Analysis:
         return {"kl": kl, "kl_se": kl_se, "dppl": ppl - base_ppl, "dppl_se": ppl * dnll_se,
                 "top1": top1, "top1_se": top1_se, "block_forwards": forwards}
 
+    def release_replay(self) -> None:
+        """Drop what measured runs replay (block outputs, base log-probs): the backward
+        pass of the estimate needs the memory more."""
+        self.block_out, self.base_lp, self.quant_out = [], [], None
+
     def quantized_outputs(self, scheme: str, perturbation: Perturbation) -> tuple[list, dict]:
         """Block outputs (and metrics) of the whole model quantized with ``scheme``: the
         blocks before ``b`` compute exactly this when all blocks but ``b`` are quantized."""
@@ -530,17 +549,18 @@ class _Analysis:
         return torch.log_softmax(logits, dim=-1)
 
     def base_ppl(self) -> float:
-        self.base_pass()
-        nll = [-(self.base_logprobs(i)[:-1].gather(-1, w[1:, None])).double().mean().item()
-               for i, w in enumerate(self.windows)]
-        return math.exp(float(np.mean(nll)))
+        """The unquantized model's perplexity on the windows (from the base pass)."""
+        if self.stats is None:
+            self.base_pass()
+        return self.base_ppl_value
 
     # --- estimated pass -----------------------------------------------------------------
     def estimate(self, schemes: Sequence[str], seed: int = 0,
                  context: Perturbation | None = None) -> dict[tuple[str, str], list]:
         """(linear, scheme) -> per-window estimated KL contribution; with ``context``,
         at the model where that perturbation is applied (a plan's other units quantized)."""
-        self.base_pass()  # input maxima for NVFP4 activations
+        if self.stats is None:
+            self.base_pass()  # input maxima for NVFP4 activations
         linears = self.units.linears()
         unit_of = {m: u for u in self.units.units for m in u.modules}
         feasible = {(m, s) for m in linears for s in schemes if unit_of[m].feasible(s) is None}
@@ -758,6 +778,7 @@ def _run_views(run: _Analysis, model, windows, units, cache, schemes, views, mod
         cost["measured_block_forwards"] = run.block_forwards
 
     if "estimated" in modes:
+        run.release_replay()
         t = time.perf_counter()
         k = "estimated|linears|" + ",".join(schemes)
         pert = None

@@ -1,0 +1,48 @@
+"""Peak memory of `fp4sense analyze` on SmolLM2 (protocol: 8 windows × 512 tokens).
+
+Runs, without the cache (so every structure is built), what the analysis holds at its
+largest: the base model's block outputs and log-probs, the fake-quantized weights of
+every unit for NVFP4 and MXFP4 (component view), the fully quantized model's block
+outputs that protect runs replay (whole-model entry), and the estimated pass. Prints the
+process's peak resident set size.
+
+    .venv/bin/python bench/analysis_memory.py
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main() -> int:
+    from fp4sense.api import analysis_windows, load_model
+    from fp4sense.sensitivity import _Analysis, _Cache, _targets, analyze
+    from fp4sense.units import find_units
+
+    t = time.perf_counter()
+    model, tok, _ = load_model(None)
+    windows = analysis_windows(tok, None, 8, 512)
+    analyze(model, windows, schemes=["NVFP4", "MXFP4"], views=["component"],
+            modes=["measured", "estimated"], cache_dir=None, progress=False,
+            log=lambda m: None)
+    units = find_units(model)
+    run = _Analysis(model, windows, units, _Cache(None), progress=False)
+    for scheme in ("NVFP4", "MXFP4"):  # whole model + its replayable outputs
+        (_, members), = _targets("model", units, None)
+        run.quantized_outputs(scheme, {m: (u, scheme) for u, mods in members for m in mods})
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    out = {"command": "python bench/analysis_memory.py", "peak_rss_gib": round(peak, 3),
+           "windows": 8, "window_tokens": 512, "seconds": round(time.perf_counter() - t)}
+    (RESULTS / "analysis_memory.json").write_text(json.dumps(out, indent=1))
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
