@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--refine-at", default="4.75",
                         help="budgets at which the refinement round is tried (it costs a "
                              "forward + backward pass per window each)")
+    parser.add_argument("--no-heuristic-budgets", action="store_true",
+                        help="do not add each heuristic's own bits to the budgets")
     parser.add_argument("--no-checkpoint", action="store_true")
     parser.add_argument("--fresh", action="store_true")
     args = parser.parse_args(argv)
@@ -153,8 +155,10 @@ def main(argv: list[str] | None = None) -> int:
             r = evaluate(f"{menu_name}|{name}", assign)
             base[name] = r
             rows.append({"menu": menu_name, "method": name, "budget": None, **r})
-        budgets = sorted({float(b) for b in args.budgets.split(",")}
-                         | {round(base[h]["bits"], 4) for h in heuristics if h != "uniform"})
+        budgets = {float(b) for b in args.budgets.split(",")}
+        if not args.no_heuristic_budgets:
+            budgets |= {round(base[h]["bits"], 4) for h in heuristics if h != "uniform"}
+        budgets = sorted(budgets)
         lo, _ = plan_cost(units, menu)
         for b in budgets:
             if b < lo:
