@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     parser.add_argument("--menus", default=",".join(MENUS))
+    parser.add_argument("--schemes", default=None,
+                        help="schemes the sensitivities cover (default: the menus'); the "
+                             "same set reuses the cached analyses")
     parser.add_argument("--cache", type=Path, default=RESULTS / ".plans-cache")
     parser.add_argument("--out", type=Path, default=RESULTS / "plans.json")
     parser.add_argument("--refine-at", default="4.75",
@@ -102,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     model, tok, _ = load_model(None)
     calib = analysis_windows(tok, None, max(args.windows, args.measured_windows), 512)
     evalw = protocol_windows(tok, "evaluation", args.eval_windows)
-    schemes = sorted({s for m in args.menus.split(",") for s in MENUS[m] if s != "BF16"})
+    schemes = sorted(args.schemes.split(",") if args.schemes else
+                     {s for m in args.menus.split(",") for s in MENUS[m] if s != "BF16"})
     timings = {}
 
     t = time.perf_counter()
@@ -169,7 +173,12 @@ def main(argv: list[str] | None = None) -> int:
                 "ours, estimated": solve(est, budget_bits=b, menu=menu, mode="estimated"),
                 "ours, measured": solve(meas, budget_bits=b, menu=menu, mode="measured"),
             }
-            if b in refine_at or f"{menu_name}|ours, estimated + refined|{b}" in done:
+            refined_key = f"{menu_name}|ours, estimated + refined|{b}"
+            if refined_key in done:  # evaluated before: no need to re-solve
+                rows.append({"menu": menu_name, "method": "ours, estimated + refined",
+                             "budget": b, "predicted": done[refined_key].get("predicted"),
+                             **done[refined_key]})
+            elif b in refine_at:
                 first = {c.unit: c.scheme for c in plans["ours, estimated"].choices}
                 refined = analyze(model, calib[:args.windows], schemes=schemes,
                                   views=["grid"], modes=["estimated"], cache_dir=args.cache,
@@ -180,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                 assign = {c.unit: c.scheme for c in plan.choices}
                 r = evaluate(f"{menu_name}|{method}|{b}", assign)
                 rows.append({"menu": menu_name, "method": method, "budget": b,
-                             "predicted": plan.predicted_kl, **r})
+                             **r, "predicted": plan.predicted_kl})
 
     checkpoint = None if args.no_checkpoint else checkpoint_check(
         model, tok, calib[:args.windows], evaluate, est, args)
@@ -195,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.write_text(json.dumps(result, indent=1))
     write_markdown(result, args.out.with_suffix(".md"))
-    pareto(rows, args.out.parent / "plans_pareto.png")
+    pareto(rows, args.out.with_name(args.out.stem + "_pareto.png"))
     print(json.dumps(summary, indent=1))
     return 0
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="default: the bundled SmolLM2")
     parser.add_argument("--out", type=Path, default=Path("demo-output"))
     parser.add_argument("--analysis-windows", type=int, default=2)
     parser.add_argument("--calib-windows", type=int, default=16)
@@ -37,20 +38,21 @@ def main(argv: list[str] | None = None) -> int:
     times = {}
     print("== 1/4 analyze (NVFP4, MXFP4: measured component + block views, estimated grid)")
     t = time.perf_counter()
-    report = analyze_model(schemes=["NVFP4", "MXFP4"], views=["component", "block", "grid"],
+    report = analyze_model(args.model, schemes=["NVFP4", "MXFP4"],
+                           views=["component", "block", "grid"],
                            modes=["measured", "estimated"], grid_blocks=[],
                            n_windows=args.analysis_windows, out_dir=args.out / "analysis")
     times["analyze"] = time.perf_counter() - t
 
     print(f"== 2/4 quantize at {args.budget} bits (menu NVFP4, FP8_DYNAMIC, BF16)")
     t = time.perf_counter()
-    planned = quantize_model(out_dir=args.out / "checkpoint", budget_bits=args.budget,
+    planned = quantize_model(args.model, out_dir=args.out / "checkpoint", budget_bits=args.budget,
                              calib_windows=args.calib_windows, overwrite=True)
     times["quantize"] = time.perf_counter() - t
 
     print("== 3/4 uniform NVFP4 (the same path, menu NVFP4 alone)")
     t = time.perf_counter()
-    uniform = quantize_model(out_dir=args.out / "uniform-nvfp4", budget_bits=16.0,
+    uniform = quantize_model(args.model, out_dir=args.out / "uniform-nvfp4", budget_bits=16.0,
                              menu=["NVFP4"], calib_windows=args.calib_windows,
                              sensitivity=args.out / "checkpoint" / "sensitivity.json",
                              overwrite=True)

@@ -193,7 +193,7 @@ def findings(report: SensitivityReport) -> list[str]:
             out.append(
                 f"**{scheme}, blocks ({mode})**: the most sensitive blocks alone are "
                 + ", ".join(f"{e.target} (KL {_fmt(e.kl, e.kl_se)})" for e in iso[:3])
-                + f"; these three carry {share:.0%} of the summed isolate damage.")
+                + f"; these {len(iso[:3])} carry {share:.0%} of the summed isolate damage.")
             gain = protect_gain(report, scheme, mode)
             if gain:
                 best = max(gain, key=gain.get)
