@@ -48,11 +48,9 @@ def analysis_windows(tokenizer, text: str | os.PathLike | None = None, n_windows
                      DEFAULT_ANALYSIS_WINDOWS, window_tokens: int = 512) -> torch.Tensor:
     """Analysis windows: the protocol's calibration split, or ``text`` (a file path or
     ``dataset:NAME[:CONFIG][:SPLIT]``). Never the evaluation split."""
-    from fp4sense.data import load_text, make_windows
+    from fp4sense.data import protocol_windows
 
-    what = str(text) if text is not None else "the calibration split"
-    return make_windows(tokenizer, load_text(text, "calibration"), n_windows, window_tokens,
-                        what=what)
+    return protocol_windows(tokenizer, "calibration", n_windows, text, window_tokens)
 
 
 def analyze_model(
@@ -117,7 +115,7 @@ def evaluate_checkpoint(
 
     from transformers import AutoTokenizer
 
-    from fp4sense.data import load_text, make_windows
+    from fp4sense.data import protocol_windows
     from fp4sense.metrics import compare_models, effective_bits
     from fp4sense.quantized import load_checkpoint
     from fp4sense.verify import check_checkpoint
@@ -127,9 +125,7 @@ def evaluate_checkpoint(
     if base is None:
         base = _recorded_base(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    what = str(text) if text is not None else "the evaluation split"
-    windows = make_windows(tokenizer, load_text(text, "evaluation"), n_windows, window_tokens,
-                           what=what)
+    windows = protocol_windows(tokenizer, "evaluation", n_windows, text, window_tokens)
     base_model, _, _ = load_model(base)
     quant, act_layers, notes = load_checkpoint(folder, promote_mxfp4=as_served)
     comparison = compare_models(base_model, quant, windows,

@@ -81,8 +81,10 @@ def make_windows(
 
 
 def protocol_windows(tokenizer, split: str, n_windows: int | None = None,
-                     source: str | os.PathLike | None = None) -> torch.Tensor:
-    """Windows of the protocol's split (calibration: 32, evaluation: 16 by default)."""
+                     source: str | os.PathLike | None = None,
+                     window_tokens: int = WINDOW_TOKENS) -> torch.Tensor:
+    """Windows of the protocol's split (calibration: 32, evaluation: 16 by default), or
+    of ``source`` (a text file or ``dataset:...``) in its place."""
     n = n_windows or (CALIB_WINDOWS if split == "calibration" else EVAL_WINDOWS)
     what = str(source) if source is not None else f"the {split} split"
-    return make_windows(tokenizer, load_text(source, split), n, what=what)
+    return make_windows(tokenizer, load_text(source, split), n, window_tokens, what=what)

@@ -310,9 +310,9 @@ class _BlockStore:
 class _Originals(dict):
     """linear name -> unquantized weight, read from the block store when offloaded."""
 
-    def __init__(self, modules: dict, names: list[str], store: _BlockStore | None):
+    def __init__(self, modules: dict, store: _BlockStore | None):
         super().__init__()
-        self.modules, self.names, self.store = modules, names, store
+        self.modules, self.store = modules, store
 
     def __missing__(self, name: str) -> torch.Tensor:
         if self.store is not None:
@@ -343,7 +343,7 @@ class _Analysis:
             self.original = {m: self.modules[m].weight.data for m in units.linears()}
         else:
             self.store = _BlockStore(model, units.blocks_path, offload_dir)
-            self.original = _Originals(self.modules, units.linears(), self.store)
+            self.original = _Originals(self.modules, self.store)
         self.qweights: dict[tuple[Unit, str], list[torch.Tensor]] = {}
         self.qweight_bytes = 0
         self.quant_out: tuple[str, list[list], dict] | None = None
