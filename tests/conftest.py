@@ -1,8 +1,10 @@
-"""Shared fixtures: the bundled assets, a tiny random Llama, the serve environment."""
+"""Shared fixtures: the bundled assets, a tiny random Llama, a checkpoint that `fp4sense
+quantize` wrote from it, the serve environment."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +13,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SERVE_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+FP4SENSE = str(Path(sys.executable).parent / "fp4sense")
+# a quick `fp4sense quantize` of the tiny model
+SMALL = ["--calib-windows", "4", "--windows", "2", "--tokens", "64", "--eval-windows", "2"]
 
 
 @pytest.fixture(scope="session")
@@ -50,6 +55,25 @@ def tiny_llama(tmp_path_factory, assets) -> Path:
 
     AutoTokenizer.from_pretrained(assets["model"]).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("text") / "text.txt"
+    path.write_text(" ".join(f"Sentence number {i} of the calibration text, about the "
+                             f"union and its people." for i in range(300)))
+    return path
+
+
+@pytest.fixture(scope="session")
+def quantized(tiny_llama, text_file, tmp_path_factory) -> Path:
+    """A mixed-precision checkpoint (with its model card) written by `fp4sense quantize`."""
+    out = tmp_path_factory.mktemp("q") / "tiny-mixed"
+    proc = subprocess.run([FP4SENSE, "quantize", str(tiny_llama), "--budget", "5.5", "--out",
+                           str(out), "--text", str(text_file), *SMALL, "--json"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -47,3 +47,62 @@ def test_user_error_is_one_line_with_exit_code_1(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().count("\n") == 0
     assert "GGUF file not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_help_lists_every_command_and_the_exit_codes():
+    from fp4sense.cli import COMMANDS
+
+    proc = run("--help")
+    for name in COMMANDS:
+        assert name in proc.stdout
+    for code in ("0 ", "1 ", "2 ", "3 ", "4 ", "5 ", "130 "):
+        assert f"\n  {code}" in proc.stdout
+
+
+def test_readme_documents_the_exit_codes():
+    from fp4sense.cli import EXIT_CODES_HELP
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for line in EXIT_CODES_HELP.splitlines()[1:]:
+        code, meaning = line.split(maxsplit=1)
+        assert f"| {code} | {meaning} |" in readme, line
+
+
+def _flags(name: str) -> set[str]:
+    import argparse
+
+    from fp4sense.cli import COMMANDS
+
+    parser = argparse.ArgumentParser()
+    COMMANDS[name][1](parser)
+    return {s for a in parser._actions for s in a.option_strings}
+
+
+def test_flags_are_consistent_across_commands():
+    from fp4sense.cli import COMMANDS
+
+    for name in COMMANDS:  # every command can print for scripts
+        assert "--json" in _flags(name), name
+    for name in ("analyze", "quantize", "eval", "verify-vllm"):  # text in, same words
+        assert {"--text", "--dataset", "--windows", "--tokens"} <= _flags(name), name
+    for name in ("convert-gguf", "quantize"):  # writes a folder: refuses, unless told
+        assert {"--out", "--overwrite"} <= _flags(name), name
+
+
+def test_interrupt_exits_130_with_one_line(tiny_llama, text_file, tmp_path):
+    import signal
+    import time
+
+    proc = subprocess.Popen([FP4SENSE, "analyze", str(tiny_llama), "--text", str(text_file),
+                             "--tokens", "64", "--windows", "2", "--no-cache", "--views",
+                             "component,block,grid", "--out", str(tmp_path / "a")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    seen = ""
+    while "measuring" not in seen and time.time() < deadline:  # progress bar: work started
+        seen += proc.stderr.read(1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("fp4sense: interrupted")
+    assert "Traceback" not in err

@@ -14,7 +14,7 @@ CORE_MODULES = ["fp4sense", "fp4sense.formats", "fp4sense.schemes", "fp4sense.sc
                 "fp4sense.data", "fp4sense.metrics", "fp4sense.assets", "fp4sense.gguf",
                 "fp4sense.quantized", "fp4sense.cli", "fp4sense.fakequant", "fp4sense.units",
                 "fp4sense.sensitivity", "fp4sense.planner", "fp4sense.report", "fp4sense.api",
-                "fp4sense.verify"]
+                "fp4sense.verify", "fp4sense.hub"]
 
 
 def _python(exe, code: str, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -68,3 +68,37 @@ def test_sensitivity_guided_recipe_with_gptq_runs_through_oneshot(tiny_llama, tm
     pinned = [g for g in groups.values() if g["format"] == "float-quantized"]
     assert pinned and any("down_proj" in t for g in pinned for t in g["targets"])
     assert effective_bits(tmp_path / "ck")["bits"] <= 5.5 + 1e-9
+
+
+@pytest.mark.slow
+def test_python_api_example_runs_every_step(tiny_llama, text_file, tmp_path):
+    out = tmp_path / "example"
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / "python_api.py"),
+                           str(tiny_llama), "--text", str(text_file), "--out", str(out),
+                           "--windows", "2", "--tokens", "64", "--budget", "5.5"],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "analysis" / "report.md").is_file()
+    qcfg = json.loads((out / "checkpoint" / "config.json").read_text())["quantization_config"]
+    assert qcfg["quant_method"] == "compressed-tensors"
+    assert "KL " in proc.stdout and "Hub-ready: " in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_cli_walkthrough_runs_every_step(tiny_llama, text_file, tmp_path, serve_python):
+    import os
+
+    env = {**os.environ, "MODEL": str(tiny_llama), "TEXT": str(text_file),
+           "OUT": str(tmp_path / "walk"), "WINDOWS": "2", "TOKENS": "64", "BUDGET": "5.5",
+           "FP4SENSE": str(Path(sys.executable).parent / "fp4sense"),
+           "REPO_ID": "acme/tiny-fp4"}
+    proc = subprocess.run(["bash", str(REPO / "examples" / "cli_walkthrough.sh")], env=env,
+                          capture_output=True, text=True, timeout=1800, cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    walk = tmp_path / "walk"
+    report = json.loads((walk / "analysis" / "sensitivity.json").read_text())
+    assert report["entries"], "the analysis wrote no entries"
+    assert json.loads((walk / "eval.json").read_text())["effective_bits"] <= 5.5
+    assert "\nPASS" in proc.stdout
+    assert "dry run: every check passed; nothing was uploaded" in proc.stdout

@@ -5,34 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-FP4SENSE = str(Path(sys.executable).parent / "fp4sense")
-SMALL = ["--calib-windows", "4", "--windows", "2", "--tokens", "64", "--eval-windows", "2"]
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("text") / "text.txt"
-    path.write_text(" ".join(f"Sentence number {i} of the calibration text, about the "
-                             f"union and its people." for i in range(300)))
-    return path
+from conftest import FP4SENSE, SMALL
 
 
 def _run(*args, cwd=None):
     return subprocess.run([FP4SENSE, *map(str, args)], capture_output=True, text=True, cwd=cwd)
-
-
-@pytest.fixture(scope="module")
-def quantized(tiny_llama, text_file, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("q") / "tiny-mixed"
-    proc = _run("quantize", tiny_llama, "--budget", "5.5", "--out", out, "--text", text_file,
-                *SMALL, "--json")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
 
 
 @pytest.mark.slow

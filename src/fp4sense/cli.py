@@ -1,8 +1,6 @@
-"""The ``fp4sense`` command line.
+"""The ``fp4sense`` command line (and the commands other front doors reuse).
 
-Exit codes: 0 success; 1 a user error (bad input, named in one line); 2 usage error
-(argparse); 3 an offline asset could not be fetched; 4 verify-vllm found vLLM and
-transformers disagreeing beyond the tolerance.
+Exit codes: see ``EXIT_CODES_HELP``.
 """
 
 from __future__ import annotations
@@ -11,15 +9,26 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from fp4sense import __version__
 
 EXIT_OK = 0
-EXIT_USER_ERROR = 1
+EXIT_USER_ERROR = 1  # bad input, named in one line (2 is argparse's usage error)
 EXIT_ASSET_ERROR = 3
 EXIT_VERIFY_FAILED = 4
+EXIT_HUB_ERROR = 5
+EXIT_INTERRUPTED = 130
+EXIT_CODES_HELP = """exit codes:
+  0    success
+  1    bad input (a file, model, scheme, budget or folder), named in one line
+  2    usage error (unknown flag, missing argument)
+  3    an offline asset (bundled model or text) could not be fetched or verified
+  4    verify-vllm: vLLM and transformers disagree beyond the tolerance
+  5    push: no token, the Hub not reachable, or the upload refused
+  130  interrupted (Ctrl-C); no partial output folder is left
+"""
 
 
 def _cmd_setup(args: argparse.Namespace) -> int:
@@ -38,7 +47,7 @@ def _cmd_convert_gguf(args: argparse.Namespace) -> int:
     from fp4sense.gguf import convert_gguf
 
     out = convert_gguf(args.gguf, args.out, overwrite=args.overwrite, name_or_path=args.name)
-    print(f"wrote {out}")
+    print(json.dumps({"out": str(out)}) if args.json else f"wrote {out}")
     return EXIT_OK
 
 
@@ -75,7 +84,7 @@ def _cmd_verify_vllm(args: argparse.Namespace) -> int:
     from fp4sense.verify import Tolerance, verify_vllm
 
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
-    windows = protocol_windows(tokenizer, "evaluation", args.windows, source=args.text)
+    windows = protocol_windows(tokenizer, "evaluation", args.windows, source=_text(args))
     windows = windows[:, : args.tokens]
     limits = (args.max_abs, args.mean_abs, args.ppl_rel)
     tolerance = None if all(v is None for v in limits) else Tolerance(
@@ -110,11 +119,11 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     from fp4sense.report import findings
 
     modes = ["measured", "estimated"] if args.mode == "both" else [args.mode]
-    text = f"dataset:{args.dataset}" if args.dataset else args.text
     report = analyze_model(
-        args.model, text=text, schemes=_csv(args.schemes), views=_csv(args.views),
+        args.model, text=_text(args), schemes=_csv(args.schemes), views=_csv(args.views),
         modes=modes, n_windows=args.windows, window_tokens=args.tokens,
-        grid_blocks=[int(b) for b in _csv(args.grid_blocks)] if args.grid_blocks else None,
+        grid_blocks=(None if args.grid_blocks is None
+                     else [int(b) for b in _csv(args.grid_blocks)]),
         out_dir=args.out, cache=not args.no_cache, plots=not args.no_plots,
         offload_dir=args.offload_dir, progress=not args.json,
         log=(lambda msg: print(msg, file=sys.stderr)) if args.json else print,
@@ -144,12 +153,11 @@ def _pins(values: list[str] | None) -> dict[str, str]:
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from fp4sense.api import quantize_model
 
-    text = f"dataset:{args.dataset}" if args.dataset else args.text
     result = quantize_model(
         args.model, out_dir=args.out, budget_bits=args.budget, budget_bytes=args.budget_bytes,
         kl_target=args.kl_target, menu=_csv(args.menu), sensitivity=args.sensitivity,
         sensitivity_mode=args.sensitivity_mode, pins=_pins(args.pin), gptq=args.gptq,
-        text=text, calib_windows=args.calib_windows, estimate_windows=args.windows,
+        text=_text(args), calib_windows=args.calib_windows, estimate_windows=args.windows,
         window_tokens=args.tokens, evaluate=not args.no_eval, eval_windows=args.eval_windows,
         overwrite=args.overwrite,
         progress=not args.json,
@@ -171,7 +179,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from fp4sense.api import evaluate_checkpoint
 
-    r = evaluate_checkpoint(args.checkpoint, base=args.base, text=args.text,
+    r = evaluate_checkpoint(args.checkpoint, base=args.base, text=_text(args),
                             n_windows=args.windows, window_tokens=args.tokens,
                             as_served=args.as_served, progress=not args.json)
     if args.json:
@@ -189,36 +197,71 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_push(args: argparse.Namespace) -> int:
+    from fp4sense.hub import push
+
+    result = push(args.checkpoint, args.repo_id, private=args.private, dry_run=args.dry_run,
+                  revision=args.revision, commit_message=args.message)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return EXIT_OK
+    print(f"checkpoint        {result['folder']} ({result['quantization_format']})")
+    print(f"repo              {result['repo_id']}{' (private)' if args.private else ''}")
+    meta = {k: v for k, v in result["card"].items() if k in ("base_model", "license")}
+    print("model card        valid" + (f" ({', '.join(f'{k}: {v}' for k, v in meta.items())})"
+                                        if meta else ""))
+    for f in result["files"]:
+        note = "  (vllm serve names the repo)" if f["path"] == "README.md" and \
+            result["card_rewritten"] else ""
+        print(f"  {f['size']:>14,}  {f['path']}{note}")
+    print(f"{len(result['files'])} files, {result['bytes']:,} bytes")
+    if args.dry_run:
+        print("dry run: every check passed; nothing was uploaded")
+    else:
+        print(f"uploaded          {result['url']}")
+    return EXIT_OK
+
+
+# --- the parser: one function per command adds its arguments, so that other front doors
+# (optimum-cli) take the same flags --------------------------------------------------------
 def _add_model_and_text(p: argparse.ArgumentParser, text_help: str) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="hub id or local folder (default: the bundled SmolLM2-135M)")
+    _add_text(p, text_help)
+
+
+def _add_text(p: argparse.ArgumentParser, text_help: str) -> None:
     text = p.add_mutually_exclusive_group()
     text.add_argument("--text", default=None, help=text_help)
     text.add_argument("--dataset", default=None, help="HF dataset NAME[:CONFIG[:SPLIT]]")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fp4sense",
-        description="FP4 (NVFP4 / MXFP4) sensitivity diagnosis and mixed-precision "
-        "planning for llm-compressor, compressed-tensors and vLLM.",
-    )
-    parser.add_argument("--version", action="version", version=f"fp4sense {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+def _text(args: argparse.Namespace) -> str | None:
+    return f"dataset:{args.dataset}" if args.dataset else args.text
 
-    p = sub.add_parser("setup", help="fetch and verify the bundled model and text (offline cache)")
-    p.add_argument("--json", action="store_true", help="print the asset paths as JSON")
-    p.set_defaults(func=_cmd_setup)
 
-    p = sub.add_parser("convert-gguf", help="convert a GGUF model file to an HF safetensors folder")
+def _add_windows(p: argparse.ArgumentParser, default: int, what: str) -> None:
+    p.add_argument("--windows", type=int, default=default, help=f"{what} (default {default})")
+    p.add_argument("--tokens", type=int, default=512, help="tokens per window (default 512)")
+
+
+def _add_json(p: argparse.ArgumentParser, what: str = "print the result as JSON") -> None:
+    p.add_argument("--json", action="store_true", help=what)
+
+
+def _setup_args(p: argparse.ArgumentParser) -> None:
+    _add_json(p, "print the asset paths as JSON")
+
+
+def _convert_gguf_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("gguf", type=Path, help="path of the .gguf file")
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--name", default=None, help="name_or_path to record (e.g. the hub id)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    p.set_defaults(func=_cmd_convert_gguf)
+    _add_json(p)
 
-    p = sub.add_parser("analyze", help="layer-wise and block-wise FP4 sensitivity of MODEL "
-                       "(measured and/or estimated), written as a report")
+
+def _analyze_args(p: argparse.ArgumentParser) -> None:
     _add_model_and_text(p, "analysis text file (default: protocol calibration split)")
     p.add_argument("--schemes", default="NVFP4,MXFP4",
                    help="comma-separated schemes of the menu (see `fp4sense schemes`)")
@@ -227,20 +270,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["measured", "estimated", "both"], default="measured",
                    help="measured (isolation runs), estimated (one Fisher pass), or both")
     p.add_argument("--grid-blocks", default=None,
-                   help="measure the grid only for these blocks (comma-separated)")
-    p.add_argument("--windows", type=int, default=8, help="analysis windows (default 8)")
-    p.add_argument("--tokens", type=int, default=512, help="tokens per window")
+                   help="measure the grid only for these blocks (comma-separated; '' for "
+                   "none, the estimate alone; default: all)")
+    _add_windows(p, 8, "analysis windows")
     p.add_argument("--out", type=Path, default=Path("fp4sense-analysis"),
                    help="output folder (sensitivity.json, report.md, plots)")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--offload-dir", type=Path, default=None,
                    help="keep decoder blocks on disk here, one in memory at a time")
-    p.add_argument("--json", action="store_true", help="print a JSON summary")
-    p.set_defaults(func=_cmd_analyze)
+    _add_json(p, "print a JSON summary")
 
-    p = sub.add_parser("quantize", help="plan under a budget from FP4 sensitivities and write a "
-                       "compressed-tensors checkpoint with llm-compressor")
+
+def _quantize_args(p: argparse.ArgumentParser) -> None:
     _add_model_and_text(p, "calibration text file (default: protocol calibration split)")
     goal = p.add_mutually_exclusive_group(required=True)
     goal.add_argument("--budget", type=float, help="average bits per weight, e.g. 4.75")
@@ -256,34 +298,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="force units to a scheme (repeatable)")
     p.add_argument("--gptq", action="store_true", help="round weights with GPTQ after planning")
     p.add_argument("--calib-windows", type=int, default=32, help="calibration windows")
-    p.add_argument("--windows", type=int, default=8,
-                   help="windows for the sensitivity estimate (the first calibration ones)")
-    p.add_argument("--tokens", type=int, default=512, help="tokens per window")
+    _add_windows(p, 8, "windows for the sensitivity estimate (the first calibration ones)")
     p.add_argument("--eval-windows", type=int, default=16,
                    help="evaluation windows for the model card's figures")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation for the card")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(func=_cmd_quantize)
+    _add_json(p)
 
-    p = sub.add_parser("eval", help="PPL, KL vs base, top-1 agreement and effective bits of a "
-                       "compressed-tensors checkpoint")
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", type=Path, help="compressed-tensors checkpoint folder")
     p.add_argument("--base", default=None, help="unquantized model (default: as recorded)")
-    p.add_argument("--text", default=None, help="evaluation text (default: protocol split)")
-    p.add_argument("--windows", type=int, default=16, help="evaluation windows")
-    p.add_argument("--tokens", type=int, default=512, help="tokens per window")
+    _add_text(p, "evaluation text file (default: protocol evaluation split)")
+    _add_windows(p, 16, "evaluation windows")
     p.add_argument("--as-served", action="store_true",
                    help="compute MXFP4A16 layers as W4A4, as vLLM serves them")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(func=_cmd_eval)
+    _add_json(p)
 
-    p = sub.add_parser("verify-vllm", help="check that vLLM loads CHECKPOINT and computes the "
-                       "same log-probs as transformers (runs the serve environment)")
+
+def _verify_vllm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", type=Path, help="compressed-tensors checkpoint folder")
-    p.add_argument("--windows", type=int, default=2, help="evaluation windows to score")
-    p.add_argument("--tokens", type=int, default=512, help="tokens per window (<= 512)")
-    p.add_argument("--text", default=None, help="evaluation text file (default: protocol)")
+    _add_text(p, "evaluation text file (default: protocol evaluation split)")
+    _add_windows(p, 2, "evaluation windows to score; tokens <= 512")
     p.add_argument("--prompt", default="The President of the United States said that")
     p.add_argument("--serve-python", default=None, help="python of the vLLM environment")
     p.add_argument("--max-abs", type=float, default=None,
@@ -292,13 +328,81 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ppl-rel", type=float, default=None,
                    help="limit on the relative perplexity difference")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the vLLM run")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(func=_cmd_verify_vllm)
+    _add_json(p)
 
-    p = sub.add_parser("schemes", help="list the scheme menu with bits per weight")
-    p.add_argument("--json", action="store_true", help="print as JSON")
-    p.set_defaults(func=_cmd_schemes)
+
+def _push_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", type=Path, help="compressed-tensors checkpoint folder")
+    p.add_argument("--repo-id", required=True, help="Hub repo, OWNER/NAME (or NAME: yours)")
+    p.add_argument("--private", action="store_true", help="create the repo private")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run every check and list the files; upload nothing")
+    p.add_argument("--revision", default=None, help="branch to commit to (default: main)")
+    p.add_argument("--message", default=None, help="commit message")
+    _add_json(p)
+
+
+def _schemes_args(p: argparse.ArgumentParser) -> None:
+    _add_json(p, "print as JSON")
+
+
+# name -> (help, arguments, action); the order is the order of `fp4sense --help`
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
+                          Callable[[argparse.Namespace], int]]] = {
+    "setup": ("fetch and verify the bundled model and text (offline cache)",
+              _setup_args, _cmd_setup),
+    "convert-gguf": ("convert a GGUF model file to an HF safetensors folder",
+                     _convert_gguf_args, _cmd_convert_gguf),
+    "analyze": ("layer-wise and block-wise FP4 sensitivity of MODEL (measured and/or "
+                "estimated), written as a report", _analyze_args, _cmd_analyze),
+    "quantize": ("plan under a budget from FP4 sensitivities and write a compressed-tensors "
+                 "checkpoint with llm-compressor", _quantize_args, _cmd_quantize),
+    "eval": ("PPL, KL vs base, top-1 agreement and effective bits of a compressed-tensors "
+             "checkpoint", _eval_args, _cmd_eval),
+    "verify-vllm": ("check that vLLM loads CHECKPOINT and computes the same log-probs as "
+                    "transformers (runs the serve environment)", _verify_vllm_args,
+                    _cmd_verify_vllm),
+    "push": ("check a checkpoint folder and upload it to the Hugging Face Hub",
+             _push_args, _cmd_push),
+    "schemes": ("list the scheme menu with bits per weight", _schemes_args, _cmd_schemes),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fp4sense",
+        description="FP4 (NVFP4 / MXFP4) sensitivity diagnosis and mixed-precision "
+        "planning for llm-compressor, compressed-tensors and vLLM.",
+        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"fp4sense {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (help_, add_arguments, action) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        add_arguments(p)
+        p.set_defaults(func=action)
     return parser
+
+
+def run_command(action: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run one command; map the errors users can fix to one line and an exit code."""
+    from fp4sense.assets import AssetError
+    from fp4sense.gguf import GGUFConversionError
+    from fp4sense.hub import HubError
+    from fp4sense.verify import VerifyError
+
+    codes = ((AssetError, EXIT_ASSET_ERROR), (HubError, EXIT_HUB_ERROR),
+             (GGUFConversionError, EXIT_USER_ERROR), (VerifyError, EXIT_USER_ERROR),
+             (ValueError, EXIT_USER_ERROR))
+    try:
+        return int(action(args))
+    except KeyboardInterrupt:
+        print("fp4sense: interrupted; finished analysis entries stay cached, no partial "
+              "output folder is left", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except tuple(t for t, _ in codes) as exc:
+        print(f"fp4sense: error: {exc}", file=sys.stderr)
+        return next(code for t, code in codes if isinstance(exc, t))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -307,18 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_OK
-    from fp4sense.assets import AssetError
-    from fp4sense.gguf import GGUFConversionError
-    from fp4sense.verify import VerifyError
-
-    try:
-        return int(args.func(args))
-    except AssetError as exc:
-        print(f"fp4sense: error: {exc}", file=sys.stderr)
-        return EXIT_ASSET_ERROR
-    except (GGUFConversionError, VerifyError, ValueError) as exc:
-        print(f"fp4sense: error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+    return run_command(args.func, args)
 
 
 if __name__ == "__main__":  # pragma: no cover

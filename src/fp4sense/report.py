@@ -397,10 +397,30 @@ def _hub_id(source: str) -> str | None:
     return None
 
 
-def _license(hub_id: str | None) -> str | None:
+def _license(source: str, hub_id: str | None) -> dict:
+    """The base model's license fields, where known: the bundled model's, a local folder's
+    model card, or (for a model taken from the Hub) its card there; {} when unknown."""
     from fp4sense.assets import MODEL_BASE_ID, MODEL_LICENSE
 
-    return MODEL_LICENSE if hub_id == MODEL_BASE_ID else None
+    if hub_id == MODEL_BASE_ID:
+        return {"license": MODEL_LICENSE}
+    from huggingface_hub import ModelCard
+
+    local = Path(source)
+    try:
+        if (local / "README.md").is_file():
+            card = ModelCard.load(local / "README.md")
+        elif hub_id and not local.exists():
+            card = ModelCard.load(hub_id)  # the model itself came from there
+        else:
+            return {}
+    except Exception:  # no card, offline, unparsable: the license stays unknown
+        return {}
+    meta = card.data.to_dict()
+    if not isinstance(meta.get("license"), str):
+        return {}
+    # "other" licenses are named and linked; carry those too
+    return {k: meta[k] for k in ("license", "license_name", "license_link") if k in meta}
 
 
 def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str,
@@ -419,14 +439,16 @@ def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str
                               ("mxfp4", any(s.startswith("MXFP4") for s in used)),
                               ("fp8", "FP8_DYNAMIC" in used)) if hit]
     meta = {"base_model": hub_id, "base_model_relation": "quantized" if hub_id else None,
-            "license": _license(hub_id), "library_name": "transformers", "tags": tags,
+            **_license(source, hub_id), "library_name": "transformers", "tags": tags,
             "pipeline_tag": "text-generation"}
     meta = {k: v for k, v in meta.items() if v is not None}
     name = name or folder.name
+    # a local base model is named by its folder only: a card is for sharing, not for paths
+    base_name = hub_id or Path(source).name
     by_scheme = plan.schemes()
     lines = [
         "---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", "",
-        f"# {hub_id or source}, FP4 mixed precision ({plan.bits:.2f} bits per weight)", "",
+        f"# {base_name}, FP4 mixed precision ({plan.bits:.2f} bits per weight)", "",
         f"Quantized with [fp4sense](https://pypi.org/project/fp4sense/) "
         f"{plan.fp4sense_version} and llm-compressor: each unit of the decoder (a fused "
         "q/k/v or gate/up group, or a single linear) got the scheme that an exact budgeted "
@@ -465,7 +487,7 @@ def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str
               "## Reproduce", "", "From this folder, with `fp4sense-llmcompressor` installed:",
               "", "```python", "import fp4sense_llmcompressor  # registers the modifier",
               "from llmcompressor import oneshot",
-              f"oneshot(model=\"{hub_id or source}\", recipe=\"recipe.yaml\", dataset=...)",
+              f"oneshot(model=\"{hub_id or '<base model>'}\", recipe=\"recipe.yaml\", dataset=...)",
               "```", ""]
     path = folder / "README.md"
     path.write_text("\n".join(lines))
