@@ -206,7 +206,7 @@ def _cmd_push(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return EXIT_OK
     print(f"checkpoint        {result['folder']} ({result['quantization_format']})")
-    print(f"repo              {result['repo_id']}{' (private)' if args.private else ''}")
+    print(f"repo              {result['repo_id']}{' (private if created)' if args.private else ''}")
     meta = {k: v for k, v in result["card"].items() if k in ("base_model", "license")}
     print("model card        valid" + (f" ({', '.join(f'{k}: {v}' for k, v in meta.items())})"
                                         if meta else ""))
@@ -218,7 +218,8 @@ def _cmd_push(args: argparse.Namespace) -> int:
     if args.dry_run:
         print("dry run: every check passed; nothing was uploaded")
     else:
-        print(f"uploaded          {result['url']}")
+        print(f"uploaded          {result['url']}"
+              + (" (repo created)" if result["created"] else ""))
     return EXIT_OK
 
 

@@ -225,14 +225,16 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False,
               "card_rewritten": card_for_repo(card_text, repo_id) != card_text}
     if dry_run:
         return result
-    result["url"] = _upload(ready, repo_id, card_for_repo(card_text, repo_id).encode(),
-                            private=private, token=token, revision=revision,
-                            commit_message=commit_message)
+    result["url"], result["created"] = _upload(
+        ready, repo_id, card_for_repo(card_text, repo_id).encode(), private=private,
+        token=token, revision=revision, commit_message=commit_message)
     return result
 
 
 def _upload(ready: ReadyFolder, repo_id: str, card: bytes, *, private: bool,
-            token: str | None, revision: str | None, commit_message: str | None) -> str:
+            token: str | None, revision: str | None,
+            commit_message: str | None) -> tuple[str, bool]:
+    """Upload in one commit; (commit url, whether the repo was created for it)."""
     from huggingface_hub import CommitOperationAdd, HfApi, constants, get_token
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -252,7 +254,7 @@ def _upload(ready: ReadyFolder, repo_id: str, card: bytes, *, private: bool,
         raise HubError(f"the Hub at {where} answered {status}; nothing was uploaded") from None
     except Exception as exc:  # no network, DNS, proxy, offline mode: one line, not a trace
         raise HubError(f"cannot reach the Hugging Face Hub at {where} "
-                       f"({type(exc).__name__}: {exc}); nothing was uploaded. Check the "
+                       f"({_one_line(exc)}); nothing was uploaded. Check the "
                        "network (or HF_ENDPOINT / HF_HUB_OFFLINE), or use --dry-run") from None
     folder = Path(ready.folder)
     ops = [CommitOperationAdd(path_in_repo=f.path, path_or_fileobj=(
@@ -261,6 +263,8 @@ def _upload(ready: ReadyFolder, repo_id: str, card: bytes, *, private: bool,
     try:
         created = not api.repo_exists(repo_id)
         url = api.create_repo(repo_id, private=private, exist_ok=True)
+        if revision:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
         info = api.create_commit(repo_id, operations=ops, revision=revision,
                                  commit_message=commit_message or
                                  f"Upload {ready.quantization_format or 'compressed'} "
@@ -271,7 +275,13 @@ def _upload(ready: ReadyFolder, repo_id: str, card: bytes, *, private: bool,
                 api.delete_repo(repo_id)
             except Exception:  # the upload's error is the one to report
                 pass
-        raise HubError(f"upload to {repo_id} as {user} failed ({type(exc).__name__}: {exc}); "
+        raise HubError(f"upload to {repo_id} as {user} failed ({_one_line(exc)}); "
                        + ("the repo created for it was deleted" if created else
                           "the repo was left as it was (a commit is all or nothing)")) from None
-    return getattr(info, "commit_url", None) or str(url)
+    return getattr(info, "commit_url", None) or str(url), created
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
