@@ -78,3 +78,18 @@ def test_formats_bit_exact_with_compressed_tensors_017(serve_python):
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["compressed_tensors"] == "0.17.0"
     assert report["cases"] >= 30 and report["mismatches"] == [], report["mismatches"]
+
+
+@pytest.mark.vllm
+def test_nvfp4_dequantization_bit_exact_with_vllms_own_code(serve_python):
+    """fp4sense's NVFP4 decompression against vLLM's emulation helpers: E2M1 values and
+    bf16 / fp16 weights bit for bit; float32 within 2 units in the last place, because vLLM
+    multiplies by a rounded reciprocal of the global scale (two roundings) where
+    compressed-tensors, and so fp4sense, divides once."""
+    proc = subprocess.run([str(serve_python), str(REPO / "tests" / "serve_vllm_dequant_check.py")],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["vllm"] == "0.32.0"
+    assert report["cases"] >= 27 and report["mismatches"] == [], report["mismatches"]
+    assert report["max_ulp_f32"] <= 2

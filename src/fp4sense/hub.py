@@ -269,12 +269,14 @@ def _upload(ready: ReadyFolder, repo_id: str, card: bytes, *, private: bool,
                                  commit_message=commit_message or
                                  f"Upload {ready.quantization_format or 'compressed'} "
                                  "checkpoint with fp4sense")
-    except Exception as exc:
+    except BaseException as exc:  # Ctrl-C too: an empty repo made for us is not left behind
         if created:
             try:
                 api.delete_repo(repo_id)
             except Exception:  # the upload's error is the one to report
                 pass
+        if not isinstance(exc, Exception):
+            raise
         raise HubError(f"upload to {repo_id} as {user} failed ({_one_line(exc)}); "
                        + ("the repo created for it was deleted" if created else
                           "the repo was left as it was (a commit is all or nothing)")) from None
