@@ -94,7 +94,7 @@ def test_card_problems_are_named(tmp_path):
 
 # --- push: checks and dry run -----------------------------------------------------------
 @pytest.mark.slow
-def test_dry_run_lists_exactly_the_upload_and_touches_nothing(quantized):
+def test_dry_run_lists_exactly_the_upload_and_touches_nothing(quantized, tiny_llama):
     before = _snapshot(quantized)
     proc = _push(quantized, "--repo-id", "acme/tiny-fp4", "--dry-run", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -106,6 +106,10 @@ def test_dry_run_lists_exactly_the_upload_and_touches_nothing(quantized):
     assert {"config.json", "model.safetensors", "README.md", "plan.png", "plan.json",
             "recipe.yaml", "sensitivity.json", "tokenizer.json"} <= set(listed)
     assert result["bytes"] == sum(listed.values())
+    # provenance files that name this machine's paths are pointed out, not refused
+    assert any(n.startswith("plan.json records") and str(tiny_llama) in n
+               for n in result["notes"]), result["notes"]
+    assert not any(n.startswith("tokenizer") for n in result["notes"])
     # the uploaded card names the repo in its vllm command; the local file is untouched
     assert result["card_rewritten"]
     assert _snapshot(quantized) == before

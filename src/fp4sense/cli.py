@@ -215,6 +215,8 @@ def _cmd_push(args: argparse.Namespace) -> int:
             result["card_rewritten"] else ""
         print(f"  {f['size']:>14,}  {f['path']}{note}")
     print(f"{len(result['files'])} files, {result['bytes']:,} bytes")
+    for note in result["notes"]:
+        print(f"note              {note}")
     if args.dry_run:
         print("dry run: every check passed; nothing was uploaded")
     else:

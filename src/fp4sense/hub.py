@@ -73,6 +73,7 @@ class ReadyFolder:
     files: list[HubFile]
     quantization_format: str
     card: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def bytes(self) -> int:
@@ -180,7 +181,40 @@ def check_folder(folder: str | os.PathLike) -> ReadyFolder:
     from huggingface_hub import ModelCard
 
     card = ModelCard.load(folder / CARD_NAME).data.to_dict()
-    return ReadyFolder(str(folder), _upload_files(folder), fmt, card)
+    files = _upload_files(folder)
+    return ReadyFolder(str(folder), files, fmt, card, _local_paths(folder, files))
+
+
+def _local_paths(folder: Path, files: list[HubFile]) -> list[str]:
+    """Notes on JSON files that record paths of this machine (they are uploaded as they
+    are; provenance such as the base model's folder is not an error, but worth a look)."""
+    import json
+
+    def walk(value, key: str = ""):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                yield from walk(v, k)
+        elif isinstance(value, list):
+            for v in value:
+                yield from walk(v, key)
+        elif (isinstance(value, str) and os.path.isabs(value) and len(Path(value).parts) > 2
+              and Path(value).exists()):
+            yield key, value
+
+    notes = []
+    for f in files:
+        if not f.path.endswith(".json") or f.path.startswith(("tokenizer", "vocab")):
+            continue
+        try:
+            data = json.loads((folder / f.path).read_text(encoding="utf-8"))
+        except ValueError:
+            continue
+        found = sorted(set(walk(data)))
+        if found:
+            shown = ", ".join(f"{k or 'value'}: {v}" for k, v in found[:3])
+            notes.append(f"{f.path} records {len(found)} path(s) of this machine ({shown}"
+                         f"{', ...' if len(found) > 3 else ''})")
+    return notes
 
 
 def _upload_files(folder: Path) -> list[HubFile]:
