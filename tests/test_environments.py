@@ -69,13 +69,18 @@ print(fp4sense_vllm.registered())
     assert proc.stdout.strip().splitlines()[-1] == "True"
 
 
+def _serve_check(serve_python, script: str) -> dict:
+    """Run a check script of tests/ in the serve environment; its last line, as JSON."""
+    proc = subprocess.run([str(serve_python), str(REPO / "tests" / script)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.vllm
 def test_formats_bit_exact_with_compressed_tensors_017(serve_python):
     """The same numerics checks against compressed-tensors 0.17 (vLLM's pin)."""
-    proc = subprocess.run([str(serve_python), str(REPO / "tests" / "serve_formats_check.py")],
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = _serve_check(serve_python, "serve_formats_check.py")
     assert report["compressed_tensors"] == "0.17.0"
     assert report["cases"] >= 30 and report["mismatches"] == [], report["mismatches"]
 
@@ -86,10 +91,7 @@ def test_nvfp4_dequantization_bit_exact_with_vllms_own_code(serve_python):
     bf16 / fp16 weights bit for bit; float32 within 2 units in the last place, because vLLM
     multiplies by a rounded reciprocal of the global scale (two roundings) where
     compressed-tensors, and so fp4sense, divides once."""
-    proc = subprocess.run([str(serve_python), str(REPO / "tests" / "serve_vllm_dequant_check.py")],
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = _serve_check(serve_python, "serve_vllm_dequant_check.py")
     assert report["vllm"] == "0.32.0"
     assert report["cases"] >= 27 and report["mismatches"] == [], report["mismatches"]
     assert report["max_ulp_f32"] <= 2
