@@ -46,6 +46,7 @@ def test_quantize_card_loads_and_validates(quantized, tiny_llama):
     assert {"fp4", "nvfp4", "compressed-tensors", "llmcompressor", "vllm"} <= set(meta["tags"])
     assert "![plan](plan.png)" in card.text and (quantized / "plan.png").is_file()
     assert "vllm serve" in card.text and "## Measured" in card.text
+    assert "windows × 64 tokens of the protocol's evaluation split" in card.text
     # a local base model is named by its folder, never by a path on this machine
     assert str(tiny_llama) not in card.text and "# tiny-llama, FP4" in card.text
     assert validate_model_card(quantized / "README.md") == []

@@ -115,7 +115,7 @@ def evaluate_checkpoint(
 
     from transformers import AutoTokenizer
 
-    from fp4sense.data import protocol_windows
+    from fp4sense.data import PROTOCOL_EVAL_TEXT, protocol_windows
     from fp4sense.metrics import compare_models, effective_bits
     from fp4sense.quantized import load_checkpoint
     from fp4sense.verify import check_checkpoint
@@ -137,7 +137,7 @@ def evaluate_checkpoint(
         "effective_bits": bits["bits"], "linear_bytes": bits["bytes"],
         "format": qcfg.get("format"), "activation_quantized_layers": act_layers,
         "windows": n_windows, "window_tokens": window_tokens,
-        "text": str(text) if text is not None else "protocol evaluation split",
+        "text": str(text) if text is not None else PROTOCOL_EVAL_TEXT,
         "notes": notes,
     }
 

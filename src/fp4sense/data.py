@@ -25,6 +25,8 @@ __all__ = [
 WINDOW_TOKENS = 512
 CALIB_WINDOWS = 32
 EVAL_WINDOWS = 16
+# how results name the default evaluation text
+PROTOCOL_EVAL_TEXT = "protocol evaluation split"
 
 
 class DataError(ValueError):

@@ -473,7 +473,8 @@ def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str
     if evaluation:
         e = evaluation
         lines += ["## Measured", "",
-                  f"On {e['windows']} windows × {e['window_tokens']} tokens of {e['text']} "
+                  f"On {e['windows']} windows × {e['window_tokens']} tokens of "
+                  f"{_text_name(e['text'])} "
                   "(fp4sense protocol: float32 on CPU, next-token distributions against the "
                   "unquantized model):", "",
                   "| effective bits / weight | KL(base ‖ this) | perplexity | base perplexity "
@@ -482,8 +483,9 @@ def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str
                   f"{e['ppl']:.3f} | {e['base_ppl']:.3f} | {e['top1']:.3f} |", ""]
     lines += ["## Serve with vLLM", "", "```bash", f"vllm serve {name}",
               "```", "", "or in Python: `vllm.LLM(model=\"<this folder or repo>\")`. NVFP4 "
-              "runs natively on Blackwell GPUs; FP8 on Hopper and newer. vLLM builds MXFP4 "
-              "layers as W4A4 even where a checkpoint says MXFP4A16.", "",
+              "runs natively (weights and activations in FP4) on Blackwell GPUs; on older "
+              "CUDA GPUs vLLM runs NVFP4 weight-only (Marlin), activations in 16 bits. vLLM "
+              "builds MXFP4 layers as W4A4 even where a checkpoint says MXFP4A16.", "",
               "## Reproduce", "", "From this folder, with `fp4sense-llmcompressor` installed:",
               "", "```python", "import fp4sense_llmcompressor  # registers the modifier",
               "from llmcompressor import oneshot",
@@ -492,6 +494,18 @@ def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str
     path = folder / "README.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def _text_name(text: str) -> str:
+    """The evaluation text as a card names it: the protocol split, a dataset, or a file's
+    name (never its path on this machine)."""
+    from fp4sense.data import PROTOCOL_EVAL_TEXT
+
+    if text == PROTOCOL_EVAL_TEXT:
+        return "the protocol's evaluation split (State of the Union addresses 2000–2021)"
+    if text.startswith("dataset:"):
+        return f"the dataset `{text[len('dataset:'):]}`"
+    return f"`{Path(text).name}`"
 
 
 def _objective(objective: dict) -> str:
