@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
+from conftest import FP4SENSE
 from fp4sense import __version__
-
-FP4SENSE = str(Path(sys.executable).parent / "fp4sense")
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import FP4SENSE, REPO
 
 
 @pytest.mark.slow
@@ -91,7 +90,7 @@ def test_cli_walkthrough_runs_every_step(tiny_llama, text_file, tmp_path, serve_
 
     env = {**os.environ, "MODEL": str(tiny_llama), "TEXT": str(text_file),
            "OUT": str(tmp_path / "walk"), "WINDOWS": "2", "TOKENS": "64", "BUDGET": "5.5",
-           "FP4SENSE": str(Path(sys.executable).parent / "fp4sense"),
+           "FP4SENSE": FP4SENSE,
            "REPO_ID": "acme/tiny-fp4"}
     proc = subprocess.run(["bash", str(REPO / "examples" / "cli_walkthrough.sh")], env=env,
                           capture_output=True, text=True, timeout=1800, cwd=tmp_path)

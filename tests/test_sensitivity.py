@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import FP4SENSE
 from fp4sense.sensitivity import (
     ReportError,
     SensitivityReport,
@@ -20,8 +19,6 @@ from fp4sense.sensitivity import (
     spearman,
 )
 from fp4sense.units import UnitError, find_units
-
-FP4SENSE = str(Path(sys.executable).parent / "fp4sense")
 
 
 def _random_windows(n=3, length=64, seed=0):

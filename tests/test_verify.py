@@ -5,15 +5,13 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import FP4SENSE
 from fp4sense.verify import CheckpointError, check_checkpoint
-
-FP4SENSE = str(Path(sys.executable).parent / "fp4sense")
 
 
 @pytest.fixture(scope="module")

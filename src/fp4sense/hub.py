@@ -9,6 +9,7 @@ leaves the Hub repo as it was (a repo created for the upload is deleted again).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -94,19 +95,24 @@ def validate_model_card(path: str | os.PathLike) -> list[str]:
     ``base_model_relation`` from the Hub's list and only beside a ``base_model``, tags as
     strings. Images the card links relatively must exist beside it.
     """
+    return _read_card(Path(path))[1]
+
+
+def _read_card(path: Path) -> tuple[dict, list[str]]:
+    """A model card's metadata (as huggingface_hub loads it) and its problems."""
     from huggingface_hub import ModelCard
     from huggingface_hub.repocard import REGEX_YAML_BLOCK
 
-    path = Path(path)
     if not path.is_file():
-        return [f"{path}: no model card; write one (fp4sense quantize does) or add README.md"]
+        return {}, [f"{path}: no model card; write one (fp4sense quantize does) or add "
+                    "README.md"]
     text = path.read_text(encoding="utf-8")
     if not REGEX_YAML_BLOCK.search(text):
-        return [f"{path}: no YAML metadata block (---) at the top of the model card"]
+        return {}, [f"{path}: no YAML metadata block (---) at the top of the model card"]
     try:
         meta = ModelCard.load(path).data.to_dict()
     except Exception as exc:  # the Hub client's own parser: any failure is the card's fault
-        return [f"{path}: the model card does not load with huggingface_hub ({exc})"]
+        return {}, [f"{path}: the model card does not load with huggingface_hub ({exc})"]
     problems = []
     license_ = meta.get("license")
     if license_ is not None and license_ not in HUB_LICENSES:
@@ -137,7 +143,7 @@ def validate_model_card(path: str | os.PathLike) -> list[str]:
     for link in _IMAGE_LINK.findall(text):
         if "://" not in link and not (path.parent / link).is_file():
             problems.append(f"{path}: links image {link}, which is not in the folder")
-    return problems
+    return meta, problems
 
 
 def check_folder(folder: str | os.PathLike) -> ReadyFolder:
@@ -162,8 +168,6 @@ def check_folder(folder: str | os.PathLike) -> ReadyFolder:
         problems.append(str(exc))
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        import json
-
         listed = set(json.loads(index.read_text()).get("weight_map", {}).values())
         for stray in sorted(p.name for p in folder.glob("*.safetensors")):
             if stray not in listed:
@@ -173,14 +177,11 @@ def check_folder(folder: str | os.PathLike) -> ReadyFolder:
             (folder / v).is_file() for v in _VOCABULARIES):
         problems.append(f"{folder}: no tokenizer ({_TOKENIZER_CONFIG} and one of "
                         f"{', '.join(_VOCABULARIES)}); save it with tokenizer.save_pretrained")
-    card_problems = validate_model_card(folder / CARD_NAME)
+    card, card_problems = _read_card(folder / CARD_NAME)
     problems += card_problems
     if problems:
         raise PushError(f"{folder} is not ready for the Hub; nothing was uploaded:\n  - "
                         + "\n  - ".join(problems))
-    from huggingface_hub import ModelCard
-
-    card = ModelCard.load(folder / CARD_NAME).data.to_dict()
     files = _upload_files(folder)
     return ReadyFolder(str(folder), files, fmt, card, _local_paths(folder, files))
 
@@ -188,8 +189,6 @@ def check_folder(folder: str | os.PathLike) -> ReadyFolder:
 def _local_paths(folder: Path, files: list[HubFile]) -> list[str]:
     """Notes on JSON files that record paths of this machine (they are uploaded as they
     are; provenance such as the base model's folder is not an error, but worth a look)."""
-    import json
-
     def walk(value, key: str = ""):
         if isinstance(value, dict):
             for k, v in value.items():
