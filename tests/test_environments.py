@@ -10,11 +10,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-CORE_MODULES = ["fp4sense", "fp4sense.formats", "fp4sense.schemes", "fp4sense.scale_search",
-                "fp4sense.data", "fp4sense.metrics", "fp4sense.assets", "fp4sense.gguf",
-                "fp4sense.quantized", "fp4sense.cli", "fp4sense.fakequant", "fp4sense.units",
-                "fp4sense.sensitivity", "fp4sense.planner", "fp4sense.report", "fp4sense.api",
-                "fp4sense.verify", "fp4sense.hub"]
 
 
 def _python(exe, code: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -22,9 +17,48 @@ def _python(exe, code: str, timeout: int = 600) -> subprocess.CompletedProcess:
                           timeout=timeout, cwd=REPO)
 
 
+CONTRACT = REPO / "tests" / "core_import_contract.toml"
+
+
+def _contract(src: Path) -> subprocess.CompletedProcess:
+    ruff = Path(sys.executable).parent / "ruff"
+    return subprocess.run([str(ruff), "check", "--no-cache", "--config", str(CONTRACT),
+                           str(src)], capture_output=True, text=True, cwd=REPO)
+
+
+def test_core_keeps_the_import_contract():
+    """No module of src/fp4sense imports a host or a plugin, at any depth."""
+    proc = _contract(REPO / "src")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("violation", [
+    "def run():\n    from llmcompressor import oneshot\n",
+    "import vllm.model_executor\n",
+    "def f():\n    import fp4sense_llmcompressor\n",
+    "import importlib\nimportlib.import_module('llmcompressor')\n",
+])
+def test_import_contract_fails_on_a_deliberate_violation(tmp_path, violation):
+    """The contract is not vacuous: a copy of the core with one host import fails it."""
+    import shutil
+
+    copy = tmp_path / "src"
+    shutil.copytree(REPO / "src", copy, ignore=shutil.ignore_patterns("*.egg-info",
+                                                                     "__pycache__"))
+    (copy / "fp4sense" / "sneaky.py").write_text(violation)
+    proc = _contract(copy)
+    assert proc.returncode == 1 and "sneaky.py" in proc.stdout and "TID251" in proc.stdout
+
+
 def test_core_imports_without_hosts():
-    code = ("import sys\n" + "".join(f"import {m}\n" for m in CORE_MODULES)
-            + "print(sorted(m for m in ('llmcompressor', 'vllm') if m in sys.modules))")
+    """Importing every core module (found on disk, not from a list) loads no host."""
+    modules = sorted("fp4sense." + p.relative_to(REPO / "src" / "fp4sense")
+                     .with_suffix("").as_posix().replace("/", ".")
+                     for p in (REPO / "src" / "fp4sense").rglob("*.py")
+                     if p.name != "__init__.py")
+    code = ("import sys\nimport fp4sense\n" + "".join(f"import {m}\n" for m in modules)
+            + "print(sorted(m for m in ('llmcompressor', 'vllm', 'optimum') "
+            "if m in sys.modules))")
     proc = _python(sys.executable, code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"

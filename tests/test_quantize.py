@@ -154,11 +154,11 @@ def test_modifier_estimates_from_calibration_data_and_composes_with_gptq(tiny_ll
     planner = SensitivityGuidedModifier(budget_bits=6.0, analysis_windows=2)
     oneshot(model=model, recipe=[planner, GPTQModifier()], dataset=_calibration(tiny_llama),
             num_calibration_samples=4, max_seq_length=64)
-    assert planner.plan is not None and planner.plan.score == "estimated"
+    assert planner.applied_plan is not None and planner.applied_plan.score == "estimated"
     out = tmp_path / "gptq"
     model.save_pretrained(out, save_compressed=True)
     check_checkpoint(out)
-    assert effective_bits(out)["bits"] == pytest.approx(planner.plan.bits, rel=1e-9)
+    assert effective_bits(out)["bits"] == pytest.approx(planner.applied_plan.bits, rel=1e-9)
 
 
 @pytest.mark.vllm

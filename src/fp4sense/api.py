@@ -239,13 +239,11 @@ def quantize_model(
             f"{lo:.2f}–{hi:.2f}), predicted KL {plan.predicted_kl:.4f}")
         del hf_model
 
+        plan.save(work / "plan.json")  # solved once: the modifier applies this file
         t = time.perf_counter()
-        recipe = _oneshot_plan(source, calib, work, budget_bits=budget_bits,
-                               budget_bytes=budget_bytes, kl_target=kl_target, menu=menu,
-                               pins=pins or {}, sensitivity_mode=sensitivity_mode, gptq=gptq)
+        recipe = _oneshot_plan(source, calib, work, plan="plan.json", gptq=gptq)
         timings["oneshot_s"] = time.perf_counter() - t
         tokenizer.save_pretrained(work)
-        plan.save(work / "plan.json")
         (work / "recipe.yaml").write_text(recipe)
 
         result = {"plan": {"schemes": plan.schemes(), "bits_theory": plan.bits,
@@ -279,36 +277,10 @@ def quantize_model(
     return result
 
 
-def _oneshot_plan(source: str, calib: torch.Tensor, work: Path, *, gptq: bool, **fields
+def _oneshot_plan(source: str, calib: torch.Tensor, work: Path, *, plan: str, gptq: bool
                   ) -> str:
-    """Run llm-compressor's oneshot with the plan's modifier; save compressed into
-    ``work``; return the recipe YAML that reproduces it (run from the checkpoint folder,
-    with fp4sense-llmcompressor installed)."""
-    import yaml
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Apply the plan saved as ``work / plan`` with the registered quantizer (the
+    llm-compressor plugin's oneshot); return the recipe YAML that reproduces it."""
+    from fp4sense.hosts import quantizer
 
-    try:
-        from datasets import Dataset
-        from llmcompressor import oneshot
-
-        from fp4sense_llmcompressor import SensitivityGuidedModifier
-    except ImportError as exc:
-        raise ValueError(f"quantizing needs llm-compressor and the fp4sense-llmcompressor "
-                         f"plugin ({exc}); install them in this environment") from None
-
-    fields = {k: v for k, v in fields.items() if v is not None}
-    modifier = SensitivityGuidedModifier(sensitivity=str(work / "sensitivity.json"), **fields)
-    recipe = [modifier]
-    stage = {"SensitivityGuidedModifier": {"sensitivity": "sensitivity.json", **fields}}
-    if gptq:
-        from llmcompressor.modifiers.gptq import GPTQModifier
-
-        recipe.append(GPTQModifier())
-        stage["GPTQModifier"] = {}
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
-    data = Dataset.from_dict({"input_ids": calib.tolist(),
-                              "attention_mask": torch.ones_like(calib).tolist()})
-    oneshot(model=model, recipe=recipe, dataset=data, num_calibration_samples=len(calib),
-            max_seq_length=calib.shape[1], processor=AutoTokenizer.from_pretrained(source))
-    model.save_pretrained(work, save_compressed=True)
-    return yaml.safe_dump({"quant_stage": {"quant_modifiers": stage}}, sort_keys=False)
+    return quantizer()(source, calib, work, plan=plan, gptq=gptq)

@@ -189,10 +189,14 @@ def find_units(model: torch.nn.Module, sample: torch.Tensor | None = None) -> Un
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
-    """A short hash of a model's weights and config (identifies it in reports and caches).
+    """A short hash of a model's config and the weights of its linears and embeddings
+    (identifies it in reports and caches).
 
-    Weights are hashed as bf16, so one checkpoint loaded in float32 (analysis) or bf16
-    (llm-compressor) has one fingerprint."""
+    It identifies the model the user gave and survives what a host does to it while
+    calibrating: weights are hashed as bf16 (one checkpoint loaded in float32 for the
+    analysis or in bf16 by llm-compressor has one fingerprint), and norms are not hashed,
+    since llm-compressor rewrites offset norms (Gemma's ``1 + weight``) during oneshot.
+    Tied weights are hashed under each name they have."""
     import hashlib
     import json
 
@@ -205,7 +209,9 @@ def model_fingerprint(model: torch.nn.Module) -> str:
                 "quantization_config", "architectures"}
         described = {k: v for k, v in config.to_diff_dict().items() if k not in skip}
         h.update(json.dumps(described, sort_keys=True, default=str).encode())
-    for name, tensor in sorted(model.state_dict().items()):
+    weighted = sorted((name, module.weight) for name, module in model.named_modules()
+                      if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)))
+    for name, tensor in weighted:
         h.update(name.encode())
         t = tensor.detach().to(torch.bfloat16).contiguous().cpu()
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())

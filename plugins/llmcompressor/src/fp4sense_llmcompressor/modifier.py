@@ -1,7 +1,9 @@
 """SensitivityGuidedModifier: a QuantizationModifier whose config groups come from a plan.
 
-At initialization it reads (or computes) a sensitivity report, solves the budgeted plan
-with :func:`fp4sense.planner.solve`, and quantizes with the plan's config groups
+At initialization it takes a saved plan (``plan: plan.json``, as ``fp4sense quantize``
+writes and its recipe.yaml names), or reads (or computes) a sensitivity report and solves
+the budgeted plan with :func:`fp4sense.planner.solve`, and quantizes with the plan's
+config groups
 (``group_0 … group_N``, fused groups whole, lm_head and embeddings untouched). From
 then on it is llm-compressor's own QuantizationModifier: same calibration, same
 checkpoint. Usable from Python and from YAML recipes once this package is imported::
@@ -12,6 +14,13 @@ checkpoint. Usable from Python and from YAML recipes once this package is import
           budget_bits: 4.75
           menu: [NVFP4, FP8_DYNAMIC, BF16]
           sensitivity: sensitivity.json
+
+or, applying a plan solved before (``fp4sense quantize`` does this)::
+
+    quant_stage:
+      quant_modifiers:
+        SensitivityGuidedModifier:
+          plan: plan.json
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from llmcompressor.core import State
 from llmcompressor.modifiers.quantization import QuantizationModifier
 from pydantic import PrivateAttr
 
-from fp4sense.planner import DEFAULT_MENU, Plan, solve
+from fp4sense.planner import DEFAULT_MENU, Plan, PlanError, solve
 from fp4sense.sensitivity import SensitivityReport, analyze
 from fp4sense.units import model_fingerprint
 
@@ -44,7 +53,9 @@ class SensitivityGuidedModifier(QuantizationModifier):
         default: measured where it covers every unit).
     :param analysis_windows: calibration samples the on-the-fly estimate uses.
     :param pins: unit name or module regex -> scheme, forced whatever the scores say.
-    :param plan_path: where to write plan.json (optional).
+    :param plan: path of a saved plan.json to apply as it is (no budget, no report, no
+        solving); its modules must be the model's, with the shapes it recorded.
+    :param plan_path: where to write the solved plan.json (optional).
     """
 
     budget_bits: float | None = None
@@ -55,6 +66,7 @@ class SensitivityGuidedModifier(QuantizationModifier):
     sensitivity_mode: str | None = None
     analysis_windows: int = 8
     pins: dict[str, str] = {}
+    plan: str | None = None
     plan_path: str | None = None
     # the plan decides the schemes; NVFP4 inputs and the estimate need calibration data
     requires_calibration_data: bool = True
@@ -62,21 +74,26 @@ class SensitivityGuidedModifier(QuantizationModifier):
     _plan: Plan | None = PrivateAttr(None)
 
     @property
-    def plan(self) -> Plan | None:
-        """The plan solved at initialization."""
+    def applied_plan(self) -> Plan | None:
+        """The plan applied at initialization (loaded or solved)."""
         return self._plan
 
     def on_initialize(self, state: State, **kwargs) -> bool:
-        """Solve the plan, install its config groups, then initialize as usual."""
-        report = self._sensitivity(state)
-        self._plan = solve(report, budget_bits=self.budget_bits,
-                           budget_bytes=self.budget_bytes, kl_target=self.kl_target,
-                           menu=self.menu, pins=self.pins, mode=self.sensitivity_mode)
+        """Load or solve the plan, install its config groups, then initialize as usual."""
+        if self.plan:
+            self._plan = _saved_plan(self.plan, state.model, self)
+            outside = _outside(state.model, self._plan)
+        else:
+            report = self._sensitivity(state)
+            self._plan = solve(report, budget_bits=self.budget_bits,
+                               budget_bytes=self.budget_bytes, kl_target=self.kl_target,
+                               menu=self.menu, pins=self.pins, mode=self.sensitivity_mode)
+            outside = report.units.outside
         if self.plan_path:
             self._plan.save(self.plan_path)
         self.config_groups = self._plan.config_groups()
         self.scheme = None
-        self.ignore = sorted(set(self.ignore) | set(report.units.outside))
+        self.ignore = sorted(set(self.ignore) | set(outside))
         self._resolved_config = None  # resolved once at construction, before the plan
         return super().on_initialize(state, **kwargs)
 
@@ -89,6 +106,38 @@ class SensitivityGuidedModifier(QuantizationModifier):
         quantized = [s for s in self.menu if s.upper() != "BF16"]
         return analyze(model, windows, schemes=quantized, views=["grid"],
                        modes=["estimated"], cache_dir=None, log=lambda msg: None)
+
+
+def _saved_plan(path: str, model: torch.nn.Module, fields: SensitivityGuidedModifier
+                ) -> Plan:
+    """A saved plan, checked against the model it is applied to: every module it names
+    is a linear of this model with the input width the plan recorded."""
+    given = [k for k in ("budget_bits", "budget_bytes", "kl_target", "sensitivity")
+             if getattr(fields, k) is not None]
+    if given:
+        raise PlanError(f"SensitivityGuidedModifier: `plan` applies a plan solved before; "
+                        f"drop {', '.join(given)} (they would solve another one)")
+    plan = Plan.load(path)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    for choice in plan.choices:
+        for module in choice.modules:
+            if module not in linears:
+                raise PlanError(f"{path} was made for another model ({plan.model!r}): it "
+                                f"names {module}, which this model does not have as a "
+                                "linear; plan this model")
+        held = sum(linears[m].weight.numel() for m in choice.modules)
+        if held != choice.numel:
+            raise PlanError(f"{path} was made for another model ({plan.model!r}): unit "
+                            f"{choice.unit} holds {choice.numel:,} weights there and "
+                            f"{held:,} here; plan this model")
+    return plan
+
+
+def _outside(model: torch.nn.Module, plan: Plan) -> list[str]:
+    """Linears the plan does not cover (lm_head and the like): left alone."""
+    planned = {m for c in plan.choices for m in c.modules}
+    return sorted(n for n, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and n not in planned)
 
 
 def _calibration_windows(state: State, n: int) -> torch.Tensor:

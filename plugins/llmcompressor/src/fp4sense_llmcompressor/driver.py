@@ -1,0 +1,47 @@
+"""The quantize step of ``fp4sense quantize``: llm-compressor's oneshot applying a plan.
+
+The core finds this function through the ``fp4sense.quantizers`` entry point (name
+``llmcompressor``), so it never imports llm-compressor itself. The plan is solved once,
+by the core; this step only applies it (``SensitivityGuidedModifier(plan=...)``), and
+returns the recipe that reproduces the checkpoint from its own folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import yaml
+
+__all__ = ["quantize_with_plan"]
+
+
+def quantize_with_plan(source: str, calib: torch.Tensor, work: Path, *, plan: str,
+                       gptq: bool = False) -> str:
+    """Quantize ``source`` (hub id or folder) with the plan saved at ``work / plan`` on the
+    calibration windows ``calib``; save the compressed checkpoint into ``work``.
+
+    :returns: recipe YAML naming the plan relative to the checkpoint folder.
+    """
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fp4sense_llmcompressor.modifier import SensitivityGuidedModifier
+
+    work = Path(work)
+    recipe = [SensitivityGuidedModifier(plan=str(work / plan))]
+    stage: dict = {"SensitivityGuidedModifier": {"plan": plan}}
+    if gptq:
+        from llmcompressor.modifiers.gptq import GPTQModifier
+
+        recipe.append(GPTQModifier())
+        stage["GPTQModifier"] = {}
+    # bf16 as llm-compressor loads models (the NVFP4 global scale comes from a bf16 amax)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    data = Dataset.from_dict({"input_ids": calib.tolist(),
+                              "attention_mask": torch.ones_like(calib).tolist()})
+    oneshot(model=model, recipe=recipe, dataset=data, num_calibration_samples=len(calib),
+            max_seq_length=calib.shape[1], processor=AutoTokenizer.from_pretrained(source))
+    model.save_pretrained(work, save_compressed=True)
+    return yaml.safe_dump({"quant_stage": {"quant_modifiers": stage}}, sort_keys=False)

@@ -1,0 +1,50 @@
+"""Tiny random decoder-only models of the families people quantize to FP4, built from
+configs (no trained weights needed): the shapes and code paths of each family, with the
+traits that break things (tied embeddings, sliding windows, soft-capping, offset norms,
+q/k norms, biases, fused projections)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+#: family -> (transformers model class, config class, config overrides, traits)
+FAMILIES: dict[str, tuple[str, str, dict, str]] = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", {"tie_word_embeddings": True},
+              "tied embeddings"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {"tie_word_embeddings": False},
+              "q/k/v biases"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {"tie_word_embeddings": True},
+              "q/k norms, tied embeddings"),
+    "mistral": ("MistralForCausalLM", "MistralConfig", {"sliding_window": 32},
+                "sliding-window attention"),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config",
+               {"sliding_window": 32, "attn_logit_softcapping": 50.0,
+                "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 32},
+               "soft-capping, sliding window, offset norms"),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig",
+               {"sliding_window": 32, "query_pre_attn_scalar": 32},
+               "offset norms, q/k norms, sliding window"),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", {"pad_token_id": 0},
+             "q/k/v and gate/up stored fused"),
+}
+
+COMMON = {"vocab_size": 49152, "hidden_size": 128, "intermediate_size": 256,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 32, "max_position_embeddings": 1024}
+
+
+def make_family_model(family: str, path: Path, tokenizer_from: Path | None = None,
+                      seed: int = 0) -> Path:
+    """Save a 2-block random ``family`` model (bf16) at ``path``; copy a tokenizer in."""
+    import transformers
+
+    model_cls, config_cls, overrides, _ = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    if tokenizer_from is not None:
+        transformers.AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(path)
+    return path
