@@ -32,9 +32,10 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _snapshot(folder: Path) -> dict[str, bytes]:
+def _snapshot(folder: Path, hidden: bool = True) -> dict[str, bytes]:
     return {p.relative_to(folder).as_posix(): p.read_bytes()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+            for p in sorted(folder.rglob("*"))
+            if p.is_file() and (hidden or not p.name.startswith("."))}
 
 
 # --- the model card ---------------------------------------------------------------------
@@ -103,14 +104,12 @@ def test_dry_run_lists_exactly_the_upload_and_touches_nothing(quantized, tiny_ll
     assert result["dry_run"] and "url" not in result
     assert result["quantization_format"] == "mixed-precision"
     listed = {f["path"]: f["size"] for f in result["files"]}
-    assert listed == {k: len(v) for k, v in before.items()}
+    assert listed == {k: len(v) for k, v in _snapshot(quantized, hidden=False).items()}
     assert {"config.json", "model.safetensors", "README.md", "plan.png", "plan.json",
             "recipe.yaml", "sensitivity.json", "tokenizer.json"} <= set(listed)
     assert result["bytes"] == sum(listed.values())
-    # provenance files that name this machine's paths are pointed out, not refused
-    assert any(n.startswith("plan.json records") and str(tiny_llama) in n
-               for n in result["notes"]), result["notes"]
-    assert not any(n.startswith("tokenizer") for n in result["notes"])
+    # a local base without --base-model-id: the card cannot link it, and push says so
+    assert result["notes"] == [n for n in result["notes"] if "--base-model-id" in n] != []
     # the uploaded card names the repo in its vllm command; the local file is untouched
     assert result["card_rewritten"]
     assert _snapshot(quantized) == before
@@ -209,3 +208,110 @@ def test_no_network_is_one_clear_error(quantized, tmp_path, extra):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert "cannot reach the Hugging Face Hub" in lines[0] and "nothing was uploaded" in lines[0]
+
+
+# --- lineage and local paths ------------------------------------------------------------
+def _absolute_paths(value) -> list[str]:
+    if isinstance(value, dict):
+        return [p for v in value.values() for p in _absolute_paths(v)]
+    if isinstance(value, list):
+        return [p for v in value for p in _absolute_paths(v)]
+    return [value] if isinstance(value, str) and os.path.isabs(value) else []
+
+
+@pytest.mark.slow
+def test_checkpoint_files_record_no_paths_of_this_machine(quantized, tiny_llama, text_file):
+    uploaded = {f.path for f in check_folder(quantized).files}
+    for name in uploaded:
+        if name.endswith(".json") and not name.startswith("tokenizer"):  # merges hold "/"
+            assert _absolute_paths(json.loads((quantized / name).read_text())) == [], name
+        if name.endswith((".json", ".yaml", ".md")):
+            text = (quantized / name).read_text()
+            for local in (tiny_llama, text_file, quantized):
+                assert str(local) not in text, (name, local)
+    # names and fingerprints stay: the base by its folder's name, the text by its file's
+    plan = json.loads((quantized / "plan.json").read_text())
+    report = json.loads((quantized / "sensitivity.json").read_text())
+    assert plan["model"] == report["model"] == "tiny-llama"
+    assert plan["model_fingerprint"] == report["model_fingerprint"]
+    assert report["text"]["source"] == "text.txt" and report["text"]["cache_key"]
+    # this machine keeps the paths in a hidden file that no upload sends
+    assert json.loads((quantized / ".fp4sense-local.json").read_text())["base"] == \
+        str(tiny_llama.resolve())
+    assert ".fp4sense-local.json" not in uploaded
+
+
+@pytest.mark.slow
+def test_base_model_id_gives_the_card_its_lineage(tiny_llama, text_file, tmp_path):
+    from conftest import SMALL
+
+    out = tmp_path / "linked"
+    proc = subprocess.run([FP4SENSE, "quantize", str(tiny_llama), "--budget", "5", "--out",
+                           str(out), "--text", str(text_file), *SMALL, "--no-eval",
+                           "--base-model-id", "acme/tiny-base"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    meta = ModelCard.load(out / "README.md").data.to_dict()
+    assert (meta["base_model"], meta["base_model_relation"]) == ("acme/tiny-base", "quantized")
+    assert json.loads((out / "plan.json").read_text())["model"] == "acme/tiny-base"
+    assert validate_model_card(out / "README.md") == []
+    ready = check_folder(out)
+    assert not any("--base-model-id" in n for n in ready.notes)
+
+
+def test_malformed_base_model_id_is_refused_before_any_work(tiny_llama, tmp_path):
+    proc = subprocess.run([FP4SENSE, "quantize", str(tiny_llama), "--budget", "5", "--out",
+                           str(tmp_path / "q"), "--base-model-id", "not an id"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1 and "--base-model-id 'not an id'" in proc.stderr
+    assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_card_without_a_known_base_says_how_to_link_it(quantized):
+    card = ModelCard.load(quantized / "README.md")
+    assert "base_model" not in card.data.to_dict()
+    assert "--base-model-id ORG/NAME" in card.text
+
+
+def test_base_inside_the_hub_cache_is_named_by_its_hub_id(tiny_llama, tmp_path):
+    from fp4sense.lineage import hub_id_of, public_name
+
+    snapshot = tmp_path / "hub" / "models--acme--tiny-7b" / "snapshots" / "0123abcd"
+    shutil.copytree(tiny_llama, snapshot)
+    assert hub_id_of(snapshot) == "acme/tiny-7b"
+    assert public_name(snapshot) == "acme/tiny-7b"
+    # outside that layout, a plain folder has no hub id: named by its folder only
+    assert hub_id_of(tiny_llama) is None and public_name(tiny_llama) == "tiny-llama"
+    assert hub_id_of(tiny_llama, "acme/given") == "acme/given"
+    assert public_name("dataset:wikitext:wikitext-2-raw-v1") == \
+        "dataset:wikitext:wikitext-2-raw-v1"
+
+
+@pytest.mark.slow
+def test_card_of_a_base_in_the_hub_cache_links_it(quantized, tiny_llama, tmp_path):
+    snapshot = tmp_path / "hub" / "models--acme--tiny-7b" / "snapshots" / "0123abcd"
+    shutil.copytree(tiny_llama, snapshot)
+    card = write_model_card(_copy(quantized, tmp_path / "c"), Plan.load(
+        quantized / "plan.json"), None, source=str(snapshot), notes=[])
+    meta = ModelCard.load(card).data.to_dict()
+    assert (meta["base_model"], meta["base_model_relation"]) == ("acme/tiny-7b", "quantized")
+
+
+@pytest.mark.slow
+def test_push_refuses_a_folder_that_records_local_paths(quantized, tiny_llama, tmp_path):
+    """A checkpoint of fp4sense 0.3 (plan.json records the base's absolute path)."""
+    folder = _copy(quantized, tmp_path / "old")
+    plan = json.loads((folder / "plan.json").read_text())
+    plan["model"] = str(tiny_llama)
+    (folder / "plan.json").write_text(json.dumps(plan))
+    before = _snapshot(folder)
+    proc = _push(folder, "--repo-id", "acme/tiny-fp4", "--dry-run")
+    assert proc.returncode == 1, proc.stdout
+    assert "plan.json records 1 path(s) of this machine" in proc.stderr
+    assert "--allow-local-paths" in proc.stderr and "Traceback" not in proc.stderr
+    allowed = _push(folder, "--repo-id", "acme/tiny-fp4", "--dry-run", "--allow-local-paths",
+                    "--json")
+    assert allowed.returncode == 0, allowed.stderr
+    assert any(str(tiny_llama) in n for n in json.loads(allowed.stdout)["notes"])
+    assert _snapshot(folder) == before

@@ -84,7 +84,7 @@ def analyze_model(
         hf_model, windows, schemes=schemes, views=views, modes=modes, grid_blocks=grid_blocks,
         cache_dir=(cache_dir() / "analysis" if cache is True else Path(cache) if cache
                    else None),
-        text={"source": str(text) if text is not None else "protocol calibration split"},
+        text={"source": _text_source(text)},
         progress=progress, log=log, offload_dir=offload_dir,
     )
     if out_dir is not None:
@@ -92,6 +92,13 @@ def analyze_model(
         for key, path in paths.items():
             log(f"{key:12s} {path}")
     return report
+
+
+def _text_source(text: str | os.PathLike | None) -> str:
+    """How reports name the analysis text (a file by its name, never its path)."""
+    from fp4sense.lineage import public_name
+
+    return public_name(text) if text is not None else "protocol calibration split"
 
 
 # --- evaluation -----------------------------------------------------------------------
@@ -110,12 +117,16 @@ def evaluate_checkpoint(
 
     :param base: the unquantized model (default: the one the checkpoint records).
     :param as_served: compute MXFP4A16 layers as W4A4, as vLLM serves them.
+
+    The result names the checkpoint, base and text by name (Hub id, folder or file name),
+    as files that may be shared do, never by their paths on this machine.
     """
     import json
 
     from transformers import AutoTokenizer
 
     from fp4sense.data import PROTOCOL_EVAL_TEXT, protocol_windows
+    from fp4sense.lineage import public_name
     from fp4sense.metrics import compare_models, effective_bits
     from fp4sense.quantized import load_checkpoint
     from fp4sense.verify import check_checkpoint
@@ -133,20 +144,24 @@ def evaluate_checkpoint(
     bits = effective_bits(folder)
     qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
     return {
-        "checkpoint": str(folder), "base": str(base), **comparison.to_dict(),
+        "checkpoint": folder.resolve().name, "base": public_name(base),
+        **comparison.to_dict(),
         "effective_bits": bits["bits"], "linear_bytes": bits["bytes"],
         "format": qcfg.get("format"), "activation_quantized_layers": act_layers,
         "windows": n_windows, "window_tokens": window_tokens,
-        "text": str(text) if text is not None else PROTOCOL_EVAL_TEXT,
+        "text": public_name(text) if text is not None else PROTOCOL_EVAL_TEXT,
         "notes": notes,
     }
 
 
 def _recorded_base(folder: Path) -> str:
-    """The base model a checkpoint names (plan.json, then config's _name_or_path)."""
+    """The base model a checkpoint was made from: the local path fp4sense recorded on
+    this machine, else the Hub id or folder plan.json and config.json name."""
     import json
 
-    candidates = []
+    from fp4sense.lineage import is_hub_id, local_record
+
+    candidates = [local_record(folder).get("base")]
     plan = folder / "plan.json"
     if plan.is_file():
         candidates.append(json.loads(plan.read_text()).get("model"))
@@ -154,6 +169,9 @@ def _recorded_base(folder: Path) -> str:
     candidates.append(config.get("_name_or_path"))
     for cand in candidates:
         if cand and Path(cand).is_dir() and (Path(cand) / "config.json").is_file():
+            return cand
+    for cand in candidates:
+        if cand and is_hub_id(cand):
             return cand
     raise ValueError(f"{folder} does not name a base model that is on this machine "
                      f"(found {[c for c in candidates if c]}); pass --base MODEL")
@@ -172,6 +190,7 @@ def quantize_model(
     sensitivity_mode: str | None = None,
     pins: dict[str, str] | None = None,
     gptq: bool = False,
+    base_model_id: str | None = None,
     text: str | os.PathLike | None = None,
     calib_windows: int = 32,
     estimate_windows: int = DEFAULT_ANALYSIS_WINDOWS,
@@ -186,6 +205,11 @@ def quantize_model(
     oneshot (SensitivityGuidedModifier, optionally + GPTQModifier), writing the
     compressed checkpoint with plan.json, sensitivity.json, recipe.yaml and a model card.
 
+    ``base_model_id`` names the base model's Hub id for the model card's lineage
+    (``base_model``) where it cannot be derived (a local folder outside the Hugging Face
+    cache). Shared files name the base and the text without local paths (see
+    :mod:`fp4sense.lineage`).
+
     Works in a temporary folder beside ``out_dir`` and renames it at the end, so an
     interrupted run never leaves a checkpoint that looks complete. Without
     ``overwrite`` a non-empty ``out_dir`` is refused before anything runs.
@@ -194,6 +218,7 @@ def quantize_model(
     import tempfile
     import time
 
+    from fp4sense.lineage import hub_id_of, public_name, write_local_record
     from fp4sense.planner import plan_cost, solve
     from fp4sense.schemes import get_scheme
     from fp4sense.sensitivity import analyze
@@ -203,6 +228,8 @@ def quantize_model(
         raise ValueError(f"{out} exists and is not empty; choose another --out or pass "
                          "--overwrite")
     menu = [get_scheme(s).name for s in menu]
+    if base_model_id is not None:
+        hub_id_of("", base_model_id)  # a malformed id fails before anything runs
     if sum(x is not None for x in (budget_bits, budget_bytes, kl_target)) != 1:
         raise ValueError("give exactly one of --budget, --budget-bytes, --kl-target")
     timings: dict[str, float] = {}
@@ -210,6 +237,7 @@ def quantize_model(
 
     hf_model, tokenizer, notes = load_model(model)
     source = str(model) if model is not None else hf_model.config._name_or_path
+    hub_id = hub_id_of(source, base_model_id)
     calib = analysis_windows(tokenizer, text, calib_windows, window_tokens)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
@@ -227,10 +255,12 @@ def quantize_model(
             quantized = [s for s in menu if get_scheme(s).preset is not None]
             report = analyze(hf_model, calib[:estimate_windows], schemes=quantized,
                              views=["grid"], modes=["estimated"], cache_dir=None,
-                             text={"source": str(text) if text else
-                                   "protocol calibration split"},
+                             text={"source": _text_source(text)},
                              progress=progress, log=log)
             timings["sensitivity_s"] = time.perf_counter() - t
+        # shared files name the base and the text, not their paths here
+        report.model = public_name(report.model, hub_id)
+        report.text["source"] = public_name(report.text.get("source"))
         report.save(work / "sensitivity.json")
         lo, hi = plan_cost(report.units, menu)
         plan = solve(report, budget_bits=budget_bits, budget_bytes=budget_bytes,
@@ -253,13 +283,16 @@ def quantize_model(
             result["eval"] = evaluate_checkpoint(work, base=source, n_windows=eval_windows,
                                                  window_tokens=window_tokens,
                                                  progress=progress)
-            result["eval"]["checkpoint"] = str(out)
+            result["eval"]["checkpoint"] = out.resolve().name
+            result["eval"]["base"] = public_name(source, hub_id)
             timings["eval_s"] = time.perf_counter() - t
         timings["total_s"] = time.perf_counter() - t0
         result["timings"] = {k: round(v, 1) for k, v in timings.items()}
         from fp4sense.report import write_model_card
 
-        write_model_card(work, plan, result.get("eval"), source=source, notes=notes,
+        write_local_record(work, base=source, text=text)
+        write_model_card(work, plan, result.get("eval"), source=source, hub_id=hub_id,
+                         notes=notes,
                          gptq=gptq, name=out.name)
         (work / "fp4sense-quantize.json").write_text(json.dumps(result, indent=1))
         # publish: the finished folder replaces out_dir in one rename

@@ -159,7 +159,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         sensitivity_mode=args.sensitivity_mode, pins=_pins(args.pin), gptq=args.gptq,
         text=_text(args), calib_windows=args.calib_windows, estimate_windows=args.windows,
         window_tokens=args.tokens, evaluate=not args.no_eval, eval_windows=args.eval_windows,
-        overwrite=args.overwrite,
+        overwrite=args.overwrite, base_model_id=args.base_model_id,
         progress=not args.json,
         log=(lambda msg: print(msg, file=sys.stderr)) if args.json else print,
     )
@@ -201,7 +201,8 @@ def _cmd_push(args: argparse.Namespace) -> int:
     from fp4sense.hub import push
 
     result = push(args.checkpoint, args.repo_id, private=args.private, dry_run=args.dry_run,
-                  revision=args.revision, commit_message=args.message)
+                  revision=args.revision, commit_message=args.message,
+                  allow_local_paths=args.allow_local_paths)
     if args.json:
         print(json.dumps(result, indent=2))
         return EXIT_OK
@@ -300,6 +301,9 @@ def _quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin", action="append", metavar="UNIT_OR_REGEX=SCHEME",
                    help="force units to a scheme (repeatable)")
     p.add_argument("--gptq", action="store_true", help="round weights with GPTQ after planning")
+    p.add_argument("--base-model-id", default=None, metavar="ORG/NAME",
+                   help="the base model's Hub id, for the model card's lineage (default: "
+                        "derived where certain: a hub id, a Hugging Face cache folder)")
     p.add_argument("--calib-windows", type=int, default=32, help="calibration windows")
     _add_windows(p, 8, "windows for the sensitivity estimate (the first calibration ones)")
     p.add_argument("--eval-windows", type=int, default=16,
@@ -342,6 +346,8 @@ def _push_args(p: argparse.ArgumentParser) -> None:
                    help="run every check and list the files; upload nothing")
     p.add_argument("--revision", default=None, help="branch to commit to (default: main)")
     p.add_argument("--message", default=None, help="commit message")
+    p.add_argument("--allow-local-paths", action="store_true",
+                   help="upload JSON files that record paths of this machine (older checkpoints)")
     _add_json(p)
 
 

@@ -146,12 +146,14 @@ def _read_card(path: Path) -> tuple[dict, list[str]]:
     return meta, problems
 
 
-def check_folder(folder: str | os.PathLike) -> ReadyFolder:
+def check_folder(folder: str | os.PathLike, allow_local_paths: bool = False) -> ReadyFolder:
     """Every check an upload needs, without the Hub; the files it would send.
 
     Raises :class:`PushError` listing every problem found: no compressed-tensors
     quantization_config, a weight file or index entry missing or truncated, a weight
-    file the index does not list, no tokenizer, a model card that does not validate.
+    file the index does not list, no tokenizer, a model card that does not validate, a
+    JSON file that records absolute paths of this machine (unless ``allow_local_paths``:
+    then they are notes; checkpoints of fp4sense before 0.4 record them).
     """
     from fp4sense.verify import CheckpointError, check_checkpoint
 
@@ -179,16 +181,27 @@ def check_folder(folder: str | os.PathLike) -> ReadyFolder:
                         f"{', '.join(_VOCABULARIES)}); save it with tokenizer.save_pretrained")
     card, card_problems = _read_card(folder / CARD_NAME)
     problems += card_problems
+    files = _upload_files(folder)
+    local = _local_paths(folder, files)
+    if local and not allow_local_paths:
+        problems += [f"{note}; paths of this machine would be published: quantize again with "
+                     "this fp4sense, or pass --allow-local-paths to upload them as they are"
+                     for note in local]
+        local = []
     if problems:
         raise PushError(f"{folder} is not ready for the Hub; nothing was uploaded:\n  - "
                         + "\n  - ".join(problems))
-    files = _upload_files(folder)
-    return ReadyFolder(str(folder), files, fmt, card, _local_paths(folder, files))
+    notes = list(local)
+    if not problems and card and not card.get("base_model"):
+        notes.append("the model card names no base_model, so the Hub will not list this "
+                     "checkpoint under its base model; quantize with --base-model-id ORG/NAME "
+                     "or add base_model to the card")
+    return ReadyFolder(str(folder), files, fmt, card, notes)
 
 
 def _local_paths(folder: Path, files: list[HubFile]) -> list[str]:
-    """Notes on JSON files that record paths of this machine (they are uploaded as they
-    are; provenance such as the base model's folder is not an error, but worth a look)."""
+    """The JSON files to upload that record absolute paths of this machine (one line each,
+    naming the file and the first paths)."""
     def walk(value, key: str = ""):
         if isinstance(value, dict):
             for k, v in value.items():
@@ -237,7 +250,7 @@ def card_for_repo(text: str, repo_id: str) -> str:
 
 def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False,
          dry_run: bool = False, token: str | None = None, revision: str | None = None,
-         commit_message: str | None = None) -> dict:
+         commit_message: str | None = None, allow_local_paths: bool = False) -> dict:
     """Check ``folder`` and upload it to the Hub repo ``repo_id`` in one commit.
 
     ``dry_run`` runs every check and returns what would be uploaded, touching nothing.
@@ -251,7 +264,7 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False,
         validate_repo_id(repo_id)
     except Exception as exc:  # HFValidationError's message names the rule broken
         raise PushError(f"--repo-id {repo_id!r} is not a valid Hub repo id ({exc})") from None
-    ready = check_folder(folder)
+    ready = check_folder(folder, allow_local_paths=allow_local_paths)
     card_path = Path(folder) / CARD_NAME
     card_text = card_path.read_text(encoding="utf-8")
     result = {"repo_id": repo_id, "private": private, "dry_run": dry_run, **ready.to_dict(),

@@ -380,23 +380,6 @@ def plot_plan(plan, path: Path) -> Path:
     return _save(fig, path)
 
 
-def _hub_id(source: str) -> str | None:
-    """The hub id a model source stands for: itself, or what its local config records."""
-    import json
-
-    p = Path(source)
-    if not p.exists():
-        return source if source.count("/") == 1 else None
-    config = p / "config.json"
-    if config.is_file():
-        d = json.loads(config.read_text())
-        for key in ("_model_name_or_path", "_name_or_path"):
-            cand = d.get(key)
-            if isinstance(cand, str) and cand.count("/") == 1 and not Path(cand).exists():
-                return cand
-    return None
-
-
 def _license(source: str, hub_id: str | None) -> dict:
     """The base model's license fields, where known: the bundled model's, a local folder's
     model card, or (for a model taken from the Hub) its card there; {} when unknown."""
@@ -424,14 +407,22 @@ def _license(source: str, hub_id: str | None) -> dict:
 
 
 def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str,
-                     notes: list[str], gptq: bool = False, name: str | None = None) -> Path:
+                     notes: list[str], gptq: bool = False, name: str | None = None,
+                     hub_id: str | None = None) -> Path:
     """README.md of a checkpoint: Hugging Face card metadata, what was done, the plan
-    (table and picture), measured figures, and how to serve it with vLLM."""
+    (table and picture), measured figures, and how to serve it with vLLM.
+
+    :param hub_id: the base model's Hub id (default: derived from ``source`` where that
+        is certain, :func:`fp4sense.lineage.hub_id_of`); it becomes ``base_model`` with
+        ``base_model_relation: quantized``. Without one the card says how to add it.
+    """
     import yaml
+
+    from fp4sense.lineage import hub_id_of
 
     folder = Path(folder)
     plot_plan(plan, folder / "plan.png")
-    hub_id = _hub_id(source)
+    hub_id = hub_id or hub_id_of(source)
     used = set(plan.schemes())
     tags = ["fp4sense", "compressed-tensors", "llmcompressor", "vllm", "mixed-precision"]
     tags += [t for t, hit in (("fp4", any("FP4" in s for s in used)),
@@ -461,6 +452,11 @@ def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str
             [s for s in used if s != "BF16"]) > 1 else "single-format") + "`); loading it "
         "needs no fp4sense code.", "",
         *[f"> {n}" for n in notes], "",
+        *([] if hub_id else [
+            f"The base model's Hub id is not known (it was quantized from a local folder, "
+            f"`{base_name}`), so this card does not link it. Add `base_model: ORG/NAME` and "
+            "`base_model_relation: quantized` to the metadata above, or quantize with "
+            "`--base-model-id ORG/NAME`.", ""]),
         "## Plan", "", "![plan](plan.png)", "",
         "| scheme | units | share of weights |", "|---|---|---|",
     ]

@@ -219,5 +219,9 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 
 def model_name(model: torch.nn.Module, fallback: str | os.PathLike = "") -> str:
+    """How reports name a model: its Hub id where known, else its folder's name (never a
+    path of this machine; see :mod:`fp4sense.lineage`)."""
+    from fp4sense.lineage import public_name
+
     config = getattr(model, "config", None)
-    return str(getattr(config, "_name_or_path", "") or fallback)
+    return public_name(str(getattr(config, "_name_or_path", "") or fallback))
