@@ -6,8 +6,10 @@ Exit codes: see ``EXIT_CODES_HELP``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,12 +33,43 @@ EXIT_CODES_HELP = """exit codes:
 """
 
 
+# With --json, stdout carries the JSON document alone: while a command runs, file
+# descriptor 1 points at stderr (hosts log to stdout: llm-compressor's loguru does), and
+# the document is written to the saved stdout.
+_json_out = None
+
+
+def _emit_json(obj) -> None:
+    stream = _json_out or sys.stdout
+    stream.write(json.dumps(obj, indent=2) + "\n")
+    stream.flush()
+
+
+@contextlib.contextmanager
+def _stdout_for_json(enabled: bool):
+    global _json_out
+    if not enabled:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    _json_out = os.fdopen(saved, "w")
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        _json_out.close()
+        _json_out = None
+
+
 def _cmd_setup(args: argparse.Namespace) -> int:
     from fp4sense.assets import ensure_assets
 
     paths = ensure_assets()
     if args.json:
-        print(json.dumps({k: str(v) for k, v in paths.items()}, indent=2))
+        _emit_json({k: str(v) for k, v in paths.items()})
     else:
         for key, path in paths.items():
             print(f"{key:12s} {path}")
@@ -47,7 +80,7 @@ def _cmd_convert_gguf(args: argparse.Namespace) -> int:
     from fp4sense.gguf import convert_gguf
 
     out = convert_gguf(args.gguf, args.out, overwrite=args.overwrite, name_or_path=args.name)
-    print(json.dumps({"out": str(out)}) if args.json else f"wrote {out}")
+    _emit_json({"out": str(out)}) if args.json else print(f"wrote {out}")
     return EXIT_OK
 
 
@@ -66,7 +99,7 @@ def _cmd_schemes(args: argparse.Namespace) -> int:
         for s in MENU.values()
     ]
     if args.json:
-        print(json.dumps(rows, indent=2))
+        _emit_json(rows)
         return EXIT_OK
     print(f"{'scheme':17s} {'weights':8s} {'acts':7s} {'block':>5s} {'bits/w':>7s}  description")
     for r in rows:
@@ -94,7 +127,7 @@ def _cmd_verify_vllm(args: argparse.Namespace) -> int:
         tolerance=tolerance, timeout_s=args.timeout,
     )
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        _emit_json(result.to_dict())
     else:
         print(f"checkpoint        {result.checkpoint}")
         print(f"tokens compared   {result.tokens}")
@@ -129,9 +162,9 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         log=(lambda msg: print(msg, file=sys.stderr)) if args.json else print,
     )
     if args.json:
-        print(json.dumps({"out": str(args.out), "base_ppl": report.base_ppl,
-                          "cost": report.cost, "correlations": report.correlations,
-                          "findings": findings(report)}, indent=2))
+        _emit_json({"out": str(args.out), "base_ppl": report.base_ppl,
+                    "cost": report.cost, "correlations": report.correlations,
+                    "findings": findings(report)})
     else:
         print()
         for line in findings(report):
@@ -164,7 +197,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         log=(lambda msg: print(msg, file=sys.stderr)) if args.json else print,
     )
     if args.json:
-        print(json.dumps(result, indent=2))
+        _emit_json(result)
     else:
         print(f"checkpoint        {result['out']}")
         e = result.get("eval")
@@ -183,7 +216,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                             n_windows=args.windows, window_tokens=args.tokens,
                             as_served=args.as_served, progress=not args.json)
     if args.json:
-        print(json.dumps(r, indent=2))
+        _emit_json(r)
         return EXIT_OK
     print(f"checkpoint        {r['checkpoint']} ({r['format']})")
     print(f"base              {r['base']}")
@@ -204,7 +237,7 @@ def _cmd_push(args: argparse.Namespace) -> int:
                   revision=args.revision, commit_message=args.message,
                   allow_local_paths=args.allow_local_paths)
     if args.json:
-        print(json.dumps(result, indent=2))
+        _emit_json(result)
         return EXIT_OK
     print(f"checkpoint        {result['folder']} ({result['quantization_format']})")
     print(f"repo              {result['repo_id']}{' (private if created)' if args.private else ''}")
@@ -404,7 +437,8 @@ def run_command(action: Callable[[argparse.Namespace], int], args: argparse.Name
              (GGUFConversionError, EXIT_USER_ERROR), (VerifyError, EXIT_USER_ERROR),
              (ValueError, EXIT_USER_ERROR))
     try:
-        return int(action(args))
+        with _stdout_for_json(bool(getattr(args, "json", False))):
+            return int(action(args))
     except KeyboardInterrupt:
         print("fp4sense: interrupted; finished analysis entries stay cached, no partial "
               "output folder is left", file=sys.stderr)

@@ -1,0 +1,83 @@
+"""Every model family end to end: `fp4sense quantize` (plan + oneshot) -> `fp4sense eval`
+-> `fp4sense verify-vllm`, on tiny random models built from configs (tests/families.py).
+
+Each family's checkpoint is made once and shared by its eval and vLLM tests."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import FP4SENSE, SMALL
+from families import FAMILIES, make_family_model
+
+_CHECKPOINTS: dict[str, tuple[Path, dict]] = {}
+
+
+@pytest.fixture
+def family_checkpoint(request, tmp_path_factory, assets, text_file) -> tuple[Path, dict]:
+    """(checkpoint folder, quantize's JSON result) for the family in request.param."""
+    family = request.param
+    if family not in _CHECKPOINTS:
+        root = tmp_path_factory.mktemp(family)
+        base = make_family_model(family, root / f"tiny-{family}", assets["model"])
+        out = root / f"tiny-{family}-fp4"
+        proc = subprocess.run([FP4SENSE, "quantize", str(base), "--budget", "5.0", "--out",
+                               str(out), "--text", str(text_file), *SMALL, "--json"],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        _CHECKPOINTS[family] = (out, json.loads(proc.stdout))
+    return _CHECKPOINTS[family]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family_checkpoint", sorted(FAMILIES), indirect=True)
+def test_quantize_and_eval(family_checkpoint, text_file):
+    out, result = family_checkpoint
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qcfg["quant_method"] == "compressed-tensors" and qcfg["config_groups"]
+    # the plan the modifier applied is the one plan.json records, to the stored bit
+    assert result["eval"]["effective_bits"] == pytest.approx(result["plan"]["bits_theory"],
+                                                             rel=1e-9)
+    assert result["eval"]["effective_bits"] <= 5.0
+    proc = subprocess.run([FP4SENSE, "eval", str(out), "--text", str(text_file), "--windows",
+                           "2", "--tokens", "64", "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    evaluation = json.loads(proc.stdout)
+    assert math.isfinite(evaluation["kl"]) and evaluation["kl"] >= 0
+    assert 0 < evaluation["top1"] <= 1 and math.isfinite(evaluation["ppl"])
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("family_checkpoint", sorted(FAMILIES), indirect=True)
+def test_verify_vllm(family_checkpoint, serve_python):
+    out, _ = family_checkpoint
+    proc = subprocess.run([FP4SENSE, "verify-vllm", str(out), "--windows", "1", "--tokens",
+                           "128", "--serve-python", str(serve_python), "--json"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert json.loads(proc.stdout)["passed"], proc.stdout
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_fingerprint_survives_llmcompressor_offset_norms(family, tmp_path):
+    """llm-compressor's oneshot rewrites Gemma's offset norms (1 + w) while it calibrates;
+    the model is still the one the user gave, and its fingerprint says so."""
+    import transformers
+    from llmcompressor.modeling.offset_norm import norm_calibration_context
+
+    from fp4sense.units import model_fingerprint
+
+    path = make_family_model(family, tmp_path / family)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    before = model_fingerprint(model)
+    with norm_calibration_context(model):
+        assert type(model.model.norm).__name__ == "CalibrationOffsetNorm"
+        assert model_fingerprint(model) == before
+    other = make_family_model(family, tmp_path / "other", seed=1)
+    assert model_fingerprint(transformers.AutoModelForCausalLM.from_pretrained(other)) != before
