@@ -26,8 +26,15 @@ DEFAULT_ANALYSIS_WINDOWS = 8
 
 
 def load_model(source: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer, notes) for a hub id or local folder; None = the bundled model."""
+    """(model, tokenizer, notes) for a hub id or local folder; None = the bundled model.
+
+    Refuses, in one line naming the culprit: a folder that does not exist, weights that
+    cannot be read (truncated, corrupt), a model that is not a decoder-only causal LM
+    (weights transformers would initialize at random), and NaN/Inf weights (by module)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fp4sense.lineage import is_hub_id
+    from fp4sense.validate import InputError
 
     notes: list[str] = []
     if source is None:
@@ -35,13 +42,43 @@ def load_model(source: str | os.PathLike | None = None, dtype: torch.dtype = tor
 
         source = ensure_model(log=lambda msg: None)
         notes.append(BUNDLED_MODEL_NOTE)
+    text = str(source)
+    looks_local = os.path.isabs(text) or text.startswith((".", "~")) or text.count("/") > 1
+    if not Path(text).exists() and (looks_local or ("/" in text and not is_hub_id(text))):
+        raise InputError(f"model {text!r} not found: no such folder here, and not a Hub id "
+                         "(ORG/NAME); pass a model folder or a Hub id")
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).eval()
+        model, info = AutoModelForCausalLM.from_pretrained(source, dtype=dtype,
+                                                           output_loading_info=True)
         tokenizer = AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"could not load model {str(source)!r} as a causal LM: "
-                         f"{str(exc).splitlines()[0]}") from None
+    except Exception as exc:  # truncated files, unknown architectures, offline hub, ...
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise InputError(f"could not load model {text!r} as a causal LM "
+                         f"({type(exc).__name__}: {first})") from None
+    model.eval()
+    missing = [k for k in info.get("missing_keys", ()) if not k.endswith("_buffer")]
+    if missing:
+        raise InputError(
+            f"model {text!r} is not a complete causal LM: {len(missing)} weight(s) would be "
+            f"initialized at random ({', '.join(sorted(missing)[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}); fp4sense analyzes decoder-only "
+            "causal LMs whose weights are all in the checkpoint")
+    _check_finite(model, text)
     return model, tokenizer, notes
+
+
+def _check_finite(model: torch.nn.Module, source: str) -> None:
+    """One line naming the modules whose weights hold NaN or Inf."""
+    from fp4sense.validate import InputError
+
+    bad = [(name, int((~torch.isfinite(p)).sum())) for name, p in model.named_parameters()
+           if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+    if bad:
+        shown = ", ".join(f"{name.removesuffix('.weight')} ({n} NaN/Inf)"
+                          for name, n in bad[:3])
+        raise InputError(f"model {source!r} has non-finite weights in {shown}"
+                         f"{', ...' if len(bad) > 3 else ''}; fix or re-download the "
+                         "checkpoint")
 
 
 def analysis_windows(tokenizer, text: str | os.PathLike | None = None, n_windows: int =
@@ -76,14 +113,23 @@ def analyze_model(
     from fp4sense.assets import cache_dir
     from fp4sense.report import write_analysis
     from fp4sense.sensitivity import analyze, check_request
+    from fp4sense.validate import InputError, check_writable
 
     schemes = check_request(schemes, views, modes)  # bad input fails before loading
+    cache_folder = (cache_dir() / "analysis" if cache is True else Path(cache) if cache
+                    else None)
+    if out_dir is not None:  # nothing is computed when the results cannot be written
+        if Path(out_dir).exists() and not Path(out_dir).is_dir():
+            raise InputError(f"--out {out_dir} is an existing file; choose a folder name")
+        check_writable(Path(out_dir), "--out", "choose a folder you can write to")
+    if cache_folder is not None:
+        check_writable(cache_folder, "the analysis cache", "pass --no-cache, or point "
+                       "FP4SENSE_CACHE at a writable folder")
     hf_model, tokenizer, notes = load_model(model)
     windows = analysis_windows(tokenizer, text, n_windows, window_tokens)
     report = analyze(
         hf_model, windows, schemes=schemes, views=views, modes=modes, grid_blocks=grid_blocks,
-        cache_dir=(cache_dir() / "analysis" if cache is True else Path(cache) if cache
-                   else None),
+        cache_dir=cache_folder,
         text={"source": _text_source(text)},
         progress=progress, log=log, offload_dir=offload_dir,
     )
@@ -123,21 +169,20 @@ def evaluate_checkpoint(
     """
     import json
 
-    from transformers import AutoTokenizer
-
     from fp4sense.data import PROTOCOL_EVAL_TEXT, protocol_windows
     from fp4sense.lineage import public_name
     from fp4sense.metrics import compare_models, effective_bits
     from fp4sense.quantized import load_checkpoint
-    from fp4sense.verify import check_checkpoint
+    from fp4sense.verify import check_checkpoint, checkpoint_tokenizer
 
     folder = Path(checkpoint)
     check_checkpoint(folder)
+    tokenizer = checkpoint_tokenizer(folder)
     if base is None:
         base = _recorded_base(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
     windows = protocol_windows(tokenizer, "evaluation", n_windows, text, window_tokens)
     base_model, _, _ = load_model(base)
+    _check_base_matches(folder, base_model, base)
     quant, act_layers, notes = load_checkpoint(folder, promote_mxfp4=as_served)
     comparison = compare_models(base_model, quant, windows,
                                 desc="evaluating" if progress else "")
@@ -152,6 +197,24 @@ def evaluate_checkpoint(
         "text": public_name(text) if text is not None else PROTOCOL_EVAL_TEXT,
         "notes": notes,
     }
+
+
+def _check_base_matches(folder: Path, base_model: torch.nn.Module, base) -> None:
+    """The base model has the checkpoint's architecture and shapes (else KL vs it is
+    meaningless): one line naming both."""
+    import json
+
+    from fp4sense.validate import InputError
+
+    saved = json.loads((folder / "config.json").read_text())
+    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "vocab_size")
+    config = base_model.config.to_dict()
+    differ = [f"{k} {config.get(k)} vs {saved.get(k)}" for k in keys
+              if k in saved and config.get(k) != saved.get(k)]
+    if differ:
+        raise InputError(f"base model {str(base)!r} is not the model {folder} was made from "
+                         f"({'; '.join(differ)}); pass the right --base")
 
 
 def _recorded_base(folder: Path) -> str:
@@ -218,15 +281,18 @@ def quantize_model(
     import tempfile
     import time
 
+    from fp4sense.assets import default_model_path
     from fp4sense.lineage import hub_id_of, public_name, write_local_record
     from fp4sense.planner import plan_cost, solve
     from fp4sense.schemes import get_scheme
     from fp4sense.sensitivity import analyze
+    from fp4sense.validate import check_output_folder, remove_dead_partials, write_owner
 
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise ValueError(f"{out} exists and is not empty; choose another --out or pass "
-                         "--overwrite")
+    # the user's model is never the output, nor inside it, nor holding it
+    base_path = default_model_path() if model is None else Path(model)
+    check_output_folder(out, overwrite=overwrite,
+                        protected=[base_path] if base_path.exists() else [])
     menu = [get_scheme(s).name for s in menu]
     if base_model_id is not None:
         hub_id_of("", base_model_id)  # a malformed id fails before anything runs
@@ -240,11 +306,14 @@ def quantize_model(
     hub_id = hub_id_of(source, base_model_id)
     calib = analysis_windows(tokenizer, text, calib_windows, window_tokens)
     out.parent.mkdir(parents=True, exist_ok=True)
+    for note in remove_dead_partials(out.parent, out.name):
+        log(f"note: {note}")
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     umask = os.umask(0)
     os.umask(umask)
     work.chmod(0o777 & ~umask)  # a normal folder once published, not mkdtemp's 0700
     try:
+        write_owner(work)  # a later run may remove this folder once this process is gone
         if sensitivity is not None:
             from fp4sense.sensitivity import SensitivityReport
             from fp4sense.units import model_fingerprint
@@ -267,6 +336,8 @@ def quantize_model(
                      kl_target=kl_target, menu=menu, pins=pins, mode=sensitivity_mode)
         log(f"plan: {plan.schemes()}, {plan.bits:.3f} bits per weight (menu reaches "
             f"{lo:.2f}–{hi:.2f}), predicted KL {plan.predicted_kl:.4f}")
+        _check_plan_quantizes(plan, budget_bits, budget_bytes, lo, hi,
+                              sum(u.numel for u in report.units.units), log)
         del hf_model
 
         plan.save(work / "plan.json")  # solved once: the modifier applies this file
@@ -308,6 +379,25 @@ def quantize_model(
         raise
     result["out"] = str(out)
     return result
+
+
+def _check_plan_quantizes(plan, budget_bits: float | None, budget_bytes: int | None,
+                          lo: float, hi: float, numel: int, log: Callable[[str], None]) -> None:
+    """A budget above what the menu can use plans at the menu's top (said in a note); a
+    plan that quantizes nothing is refused: it would not be a quantized checkpoint."""
+    from fp4sense.planner import PlanError
+    from fp4sense.schemes import get_scheme
+
+    asked = budget_bits if budget_bits is not None else (
+        budget_bytes * 8 / numel if budget_bytes is not None else None)
+    if asked is not None and asked > hi + 1e-9:
+        log(f"note: the budget ({asked:.3f} bits per weight) is above what the menu can use "
+            f"({hi:.3f}); planned at the menu's top")
+    if not any(get_scheme(c.scheme).preset is not None for c in plan.choices):
+        raise PlanError(
+            f"the plan leaves every unit in BF16, so nothing would be quantized; give a "
+            f"budget below {hi:.3f} bits per weight (the menu reaches {lo:.3f}–{hi:.3f}) or "
+            "drop BF16 from the menu")
 
 
 def _oneshot_plan(source: str, calib: torch.Tensor, work: Path, *, plan: str, gptq: bool

@@ -10,11 +10,19 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from fp4sense import __version__
+from fp4sense.validate import (
+    block_list,
+    non_empty,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
 
 EXIT_OK = 0
 EXIT_USER_ERROR = 1  # bad input, named in one line (2 is argparse's usage error)
@@ -111,12 +119,11 @@ def _cmd_schemes(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify_vllm(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
     from fp4sense.data import protocol_windows
-    from fp4sense.verify import Tolerance, verify_vllm
+    from fp4sense.verify import Tolerance, check_checkpoint, checkpoint_tokenizer, verify_vllm
 
-    tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
+    check_checkpoint(args.checkpoint)  # before the tokenizer: a missing folder is one line
+    tokenizer = checkpoint_tokenizer(args.checkpoint)
     windows = protocol_windows(tokenizer, "evaluation", args.windows, source=_text(args))
     windows = windows[:, : args.tokens]
     limits = (args.max_abs, args.mean_abs, args.ppl_rel)
@@ -155,8 +162,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     report = analyze_model(
         args.model, text=_text(args), schemes=_csv(args.schemes), views=_csv(args.views),
         modes=modes, n_windows=args.windows, window_tokens=args.tokens,
-        grid_blocks=(None if args.grid_blocks is None
-                     else [int(b) for b in _csv(args.grid_blocks)]),
+        grid_blocks=args.grid_blocks,
         out_dir=args.out, cache=not args.no_cache, plots=not args.no_plots,
         offload_dir=args.offload_dir, progress=not args.json,
         log=(lambda msg: print(msg, file=sys.stderr)) if args.json else print,
@@ -179,6 +185,12 @@ def _pins(values: list[str] | None) -> dict[str, str]:
         if not sep or not pattern:
             raise ValueError(f"--pin {item!r}: write UNIT_OR_REGEX=SCHEME, e.g. "
                              "'.*layers\\.0\\..*=BF16'")
+        try:
+            re.compile(pattern.removeprefix("re:"))
+        except re.error as exc:
+            raise ValueError(f"--pin {item!r}: {pattern!r} is not a valid regular expression "
+                             f"({exc}); escape dots and brackets, or name a unit such as "
+                             "'3:mlp.down_proj'") from None
         pins[pattern] = scheme
     return pins
 
@@ -269,8 +281,9 @@ def _add_model_and_text(p: argparse.ArgumentParser, text_help: str) -> None:
 
 def _add_text(p: argparse.ArgumentParser, text_help: str) -> None:
     text = p.add_mutually_exclusive_group()
-    text.add_argument("--text", default=None, help=text_help)
-    text.add_argument("--dataset", default=None, help="HF dataset NAME[:CONFIG[:SPLIT]]")
+    text.add_argument("--text", type=non_empty, default=None, help=text_help)
+    text.add_argument("--dataset", type=non_empty, default=None,
+                      help="HF dataset NAME[:CONFIG[:SPLIT]]")
 
 
 def _text(args: argparse.Namespace) -> str | None:
@@ -278,8 +291,10 @@ def _text(args: argparse.Namespace) -> str | None:
 
 
 def _add_windows(p: argparse.ArgumentParser, default: int, what: str) -> None:
-    p.add_argument("--windows", type=int, default=default, help=f"{what} (default {default})")
-    p.add_argument("--tokens", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--windows", type=positive_int, default=default,
+                   help=f"{what} (default {default})")
+    p.add_argument("--tokens", type=positive_int, default=512,
+                   help="tokens per window (default 512)")
 
 
 def _add_json(p: argparse.ArgumentParser, what: str = "print the result as JSON") -> None:
@@ -300,13 +315,13 @@ def _convert_gguf_args(p: argparse.ArgumentParser) -> None:
 
 def _analyze_args(p: argparse.ArgumentParser) -> None:
     _add_model_and_text(p, "analysis text file (default: protocol calibration split)")
-    p.add_argument("--schemes", default="NVFP4,MXFP4",
+    p.add_argument("--schemes", type=non_empty, default="NVFP4,MXFP4",
                    help="comma-separated schemes of the menu (see `fp4sense schemes`)")
-    p.add_argument("--views", default="component,block",
+    p.add_argument("--views", type=non_empty, default="component,block",
                    help="comma-separated views: component, block, grid")
     p.add_argument("--mode", choices=["measured", "estimated", "both"], default="measured",
                    help="measured (isolation runs), estimated (one Fisher pass), or both")
-    p.add_argument("--grid-blocks", default=None,
+    p.add_argument("--grid-blocks", type=block_list, default=None,
                    help="measure the grid only for these blocks (comma-separated; '' for "
                    "none, the estimate alone; default: all)")
     _add_windows(p, 8, "analysis windows")
@@ -322,11 +337,14 @@ def _analyze_args(p: argparse.ArgumentParser) -> None:
 def _quantize_args(p: argparse.ArgumentParser) -> None:
     _add_model_and_text(p, "calibration text file (default: protocol calibration split)")
     goal = p.add_mutually_exclusive_group(required=True)
-    goal.add_argument("--budget", type=float, help="average bits per weight, e.g. 4.75")
-    goal.add_argument("--budget-bytes", type=int, help="bytes of the decoder linears")
-    goal.add_argument("--kl-target", type=float, help="fewest bits with predicted KL below")
+    goal.add_argument("--budget", type=positive_float,
+                      help="average bits per weight, e.g. 4.75")
+    goal.add_argument("--budget-bytes", type=positive_int, help="bytes of the decoder linears")
+    goal.add_argument("--kl-target", type=positive_float,
+                      help="fewest bits with predicted KL below")
     p.add_argument("--out", type=Path, required=True, help="checkpoint folder to write")
-    p.add_argument("--menu", default="NVFP4,FP8_DYNAMIC,BF16", help="schemes units may get")
+    p.add_argument("--menu", type=non_empty, default="NVFP4,FP8_DYNAMIC,BF16",
+                   help="schemes units may get")
     p.add_argument("--sensitivity", type=Path, default=None,
                    help="a saved sensitivity.json (default: estimate it now)")
     p.add_argument("--sensitivity-mode", choices=["measured", "estimated"], default=None,
@@ -337,9 +355,10 @@ def _quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-model-id", default=None, metavar="ORG/NAME",
                    help="the base model's Hub id, for the model card's lineage (default: "
                         "derived where certain: a hub id, a Hugging Face cache folder)")
-    p.add_argument("--calib-windows", type=int, default=32, help="calibration windows")
+    p.add_argument("--calib-windows", type=positive_int, default=32,
+                   help="calibration windows")
     _add_windows(p, 8, "windows for the sensitivity estimate (the first calibration ones)")
-    p.add_argument("--eval-windows", type=int, default=16,
+    p.add_argument("--eval-windows", type=positive_int, default=16,
                    help="evaluation windows for the model card's figures")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation for the card")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
@@ -362,12 +381,13 @@ def _verify_vllm_args(p: argparse.ArgumentParser) -> None:
     _add_windows(p, 2, "evaluation windows to score; tokens <= 512")
     p.add_argument("--prompt", default="The President of the United States said that")
     p.add_argument("--serve-python", default=None, help="python of the vLLM environment")
-    p.add_argument("--max-abs", type=float, default=None,
+    p.add_argument("--max-abs", type=non_negative_float, default=None,
                    help="limit on max |d logprob| (default: by scheme, see README)")
-    p.add_argument("--mean-abs", type=float, default=None, help="limit on mean |d logprob|")
-    p.add_argument("--ppl-rel", type=float, default=None,
+    p.add_argument("--mean-abs", type=non_negative_float, default=None,
+                   help="limit on mean |d logprob|")
+    p.add_argument("--ppl-rel", type=non_negative_float, default=None,
                    help="limit on the relative perplexity difference")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds for the vLLM run")
+    p.add_argument("--timeout", type=positive_float, default=900.0, help="seconds for the vLLM run")
     _add_json(p)
 
 
@@ -446,6 +466,11 @@ def run_command(action: Callable[[argparse.Namespace], int], args: argparse.Name
     except tuple(t for t, _ in codes) as exc:
         print(f"fp4sense: error: {exc}", file=sys.stderr)
         return next(code for t, code in codes if isinstance(exc, t))
+    except OSError as exc:  # a disk that fills or turns read-only mid-run: one line
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"fp4sense: error: could not read or write {where}{exc.strerror or exc}; "
+              "free space or fix permissions and run again", file=sys.stderr)
+        return EXIT_USER_ERROR
 
 
 def main(argv: Sequence[str] | None = None) -> int:

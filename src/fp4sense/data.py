@@ -51,7 +51,13 @@ def load_text(source: str | os.PathLike | None = None, split: str = "calibration
         raise DataError(
             f"text file {path} not found; pass a text file path or dataset:NAME[:CONFIG][:SPLIT]"
         )
-    return path.read_text(encoding="utf-8")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"text file {path} is not UTF-8 text (byte {exc.start}); convert it "
+                        "(e.g. iconv -t utf-8) or pass another file") from None
+    except OSError as exc:
+        raise DataError(f"text file {path} cannot be read ({exc.strerror})") from None
 
 
 def _dataset_text(spec: str) -> str:
@@ -63,7 +69,15 @@ def _dataset_text(spec: str) -> str:
         import datasets
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise DataError("reading an HF dataset needs the 'datasets' package") from exc
-    ds = datasets.load_dataset(name, config, split=split)
+    try:
+        ds = datasets.load_dataset(name, config, split=split)
+    except Exception as exc:  # offline, unknown name or split, ...: one line naming it
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise DataError(f"dataset {spec!r} could not be loaded ({type(exc).__name__}: "
+                        f"{first}); check the name and the network, or pass --text FILE"
+                        ) from None
+    if len(ds) == 0 or not ds.column_names:
+        raise DataError(f"dataset {spec!r} has no text")
     column = "text" if "text" in ds.column_names else ds.column_names[0]
     return "\n\n".join(str(t) for t in ds[column])
 
@@ -87,6 +101,10 @@ def protocol_windows(tokenizer, split: str, n_windows: int | None = None,
                      window_tokens: int = WINDOW_TOKENS) -> torch.Tensor:
     """Windows of the protocol's split (calibration: 32, evaluation: 16 by default), or
     of ``source`` (a text file or ``dataset:...``) in its place."""
-    n = n_windows or (CALIB_WINDOWS if split == "calibration" else EVAL_WINDOWS)
+    n = n_windows if n_windows is not None else (
+        CALIB_WINDOWS if split == "calibration" else EVAL_WINDOWS)
+    if n < 1 or window_tokens < 1:
+        raise DataError(f"windows ({n}) and tokens per window ({window_tokens}) must be at "
+                        "least 1")
     what = str(source) if source is not None else f"the {split} split"
     return make_windows(tokenizer, load_text(source, split), n, window_tokens, what=what)

@@ -45,8 +45,6 @@ BASE_MODEL_RELATIONS = ("adapter", "merge", "quantized", "finetune")
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 _IMAGE_LINK = re.compile(r"!\[[^\]]*\]\(([^)\s]+)")
 # what a model needs beside its weights to be served: a tokenizer config and a vocabulary
-_TOKENIZER_CONFIG = "tokenizer_config.json"
-_VOCABULARIES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
 _SKIPPED_DIRS = {"__pycache__"}
 
 
@@ -155,7 +153,12 @@ def check_folder(folder: str | os.PathLike, allow_local_paths: bool = False) -> 
     JSON file that records absolute paths of this machine (unless ``allow_local_paths``:
     then they are notes; checkpoints of fp4sense before 0.4 record them).
     """
-    from fp4sense.verify import CheckpointError, check_checkpoint
+    from fp4sense.verify import (
+        TOKENIZER_CONFIG,
+        VOCABULARIES,
+        CheckpointError,
+        check_checkpoint,
+    )
 
     folder = Path(folder)
     if not folder.is_dir():
@@ -175,10 +178,10 @@ def check_folder(folder: str | os.PathLike, allow_local_paths: bool = False) -> 
             if stray not in listed:
                 problems.append(f"{folder / stray}: weight file not in {index.name}; remove "
                                 "it (vLLM and transformers would ignore or trip on it)")
-    if not (folder / _TOKENIZER_CONFIG).is_file() or not any(
-            (folder / v).is_file() for v in _VOCABULARIES):
-        problems.append(f"{folder}: no tokenizer ({_TOKENIZER_CONFIG} and one of "
-                        f"{', '.join(_VOCABULARIES)}); save it with tokenizer.save_pretrained")
+    if not (folder / TOKENIZER_CONFIG).is_file() or not any(
+            (folder / v).is_file() for v in VOCABULARIES):
+        problems.append(f"{folder}: no tokenizer ({TOKENIZER_CONFIG} and one of "
+                        f"{', '.join(VOCABULARIES)}); save it with tokenizer.save_pretrained")
     card, card_problems = _read_card(folder / CARD_NAME)
     problems += card_problems
     files = _upload_files(folder)

@@ -206,8 +206,11 @@ def findings(report: SensitivityReport) -> list[str]:
     if len(totals) >= 2:
         ranked = sorted(totals.items(), key=lambda kv: kv[1].kl)
         (a, ea), (b, eb) = ranked[0], ranked[-1]
-        out.append(f"**Formats**: the whole model in {a} costs KL {ea.kl:.4f} "
-                   f"(ΔPPL {ea.dppl:+.2f}), in {b} KL {eb.kl:.4f} (ΔPPL {eb.dppl:+.2f}): "
+        def dppl(e: Entry) -> str:  # the estimate has no perplexity change
+            return f" (ΔPPL {e.dppl:+.2f})" if e.dppl is not None else ""
+
+        out.append(f"**Formats**: the whole model in {a} costs KL {ea.kl:.4f}{dppl(ea)}, "
+                   f"in {b} KL {eb.kl:.4f}{dppl(eb)}: "
                    f"{b} does {eb.kl / max(ea.kl, 1e-12):.1f}x the damage.")
     for c in report.correlations:
         out.append(f"**Estimate vs measurement**: {c['view']} / {c['scheme']}: Spearman ρ = "

@@ -156,15 +156,36 @@ class SensitivityReport:
         if version != REPORT_VERSION:
             raise ReportError(f"{path}: report layout version {version!r}, this fp4sense "
                               f"reads version {REPORT_VERSION}; run `fp4sense analyze` again")
+        missing = [k for k in ("model", "model_fingerprint", "schemes", "units", "entries")
+                   if k not in d]
+        if missing:
+            raise ReportError(f"{path}: not a complete sensitivity report (no "
+                              f"{', '.join(missing)}); run `fp4sense analyze` again")
         if model_fingerprint is not None and d["model_fingerprint"] != model_fingerprint:
             raise ReportError(
                 f"{path} was made for model {d['model']!r} (fingerprint "
                 f"{d['model_fingerprint']}), not this one ({model_fingerprint}); analyze "
                 "this model or pass its own report")
-        entries = [Entry(**e) for e in d.pop("entries")]
-        units = UnitMap.from_dict(d.pop("units"))
-        d.pop("version")
-        return cls(units=units, entries=entries, version=version, **d)
+        try:
+            entries = [Entry(**e) for e in d.pop("entries")]
+            units = UnitMap.from_dict(d.pop("units"))
+            d.pop("version")
+            report = cls(units=units, entries=entries, version=version, **d)
+        except (KeyError, TypeError, ValueError) as exc:
+            kind = type(exc).__name__
+            raise ReportError(f"{path}: not a sensitivity report fp4sense can read ({kind}: "
+                              f"{exc}); run `fp4sense analyze` again") from None
+        for e in report.entries:
+            if not isinstance(e.kl, (int, float)) or isinstance(e.kl, bool) or \
+                    not math.isfinite(e.kl) or e.kl < -KL_ROUNDING:
+                raise ReportError(f"{path}: entry {e.view} / {e.target} / {e.scheme} has KL "
+                                  f"{e.kl!r}; KL is a finite number >= 0: the file is damaged "
+                                  "or edited, run `fp4sense analyze` again")
+        return report
+
+
+#: measured KL of an almost harmless change can come out a hair below zero in float32
+KL_ROUNDING = 1e-6
 
 
 # --- statistics -----------------------------------------------------------------------
@@ -217,7 +238,13 @@ class _Cache:
         self.items[key] = item
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a") as fh:
+            with self.path.open("a+") as fh:
+                # a line torn by a killed run: end it, so this entry starts a line of its own
+                fh.seek(0, os.SEEK_END)
+                if fh.tell():
+                    fh.seek(fh.tell() - 1)
+                    if fh.read(1) != "\n":
+                        fh.write("\n")
                 fh.write(json.dumps(item) + "\n")
 
 
@@ -671,6 +698,9 @@ def _targets(view: str, units: UnitMap, blocks: Iterable[int] | None
 
 def check_request(schemes: Sequence[str], views: Sequence[str], modes: Sequence[str]) -> list[str]:
     names = [get_scheme(s).name for s in schemes]  # raises with the menu listed
+    if not names or not views or not modes:
+        raise ValueError("give at least one scheme, one view and one mode (e.g. --schemes "
+                         "NVFP4 --views component)")
     for v in views:
         if v not in VIEWS:
             raise ValueError(f"unknown view {v!r}; choose from {', '.join(VIEWS)}")
@@ -710,6 +740,13 @@ def analyze(
     schemes = check_request(schemes, views, modes)
     t0 = time.perf_counter()
     units = find_units(model, windows[:1, :16])
+    if grid_blocks is not None:
+        grid_blocks = list(grid_blocks)
+        absent = sorted(set(grid_blocks) - set(range(units.n_blocks)))
+        if absent:
+            raise ValueError(f"grid block(s) {', '.join(map(str, absent))} do not exist: the "
+                             f"model has {units.n_blocks} decoder blocks (0–"
+                             f"{units.n_blocks - 1})")
     fingerprint = model_fingerprint(model)
     key = cache_key(fingerprint, windows)
     cache = _Cache(Path(cache_dir) / f"{key}.jsonl" if cache_dir else None)

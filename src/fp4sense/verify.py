@@ -47,6 +47,25 @@ __all__ = [
 ]
 
 SERVE_PYTHON_ENV = "FP4SENSE_SERVE_PYTHON"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+VOCABULARIES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+# what each stored format keeps per quantized module: tensor -> (dtypes, shape from the
+# module's (out, in) weight shape); the block sizes are the formats' (design.md)
+_STORED = {
+    "nvfp4-pack-quantized": {
+        "weight_packed": (("U8",), lambda o, i: [o, i // 2]),
+        "weight_scale": (("F8_E4M3",), lambda o, i: [o, i // 16]),
+        "weight_global_scale": (("F32",), lambda o, i: [1]),
+    },
+    "mxfp4-pack-quantized": {
+        "weight_packed": (("U8",), lambda o, i: [o, i // 2]),
+        "weight_scale": (("U8",), lambda o, i: [o, i // 32]),
+    },
+    "float-quantized": {
+        "weight": (("F8_E4M3",), lambda o, i: [o, i]),
+        "weight_scale": (("BF16", "F16", "F32"), lambda o, i: [o, 1]),
+    },
+}
 SAFETENSORS_HEADER_BYTES = 8
 
 
@@ -146,7 +165,7 @@ def tensor_index(folder: Path) -> dict[str, dict]:
         if not path.is_file():
             raise CheckpointError(f"{folder}: weight file {name} listed in the index is missing")
         for key, entry in _safetensors_header(path).items():
-            tensors[key] = entry
+            tensors[key] = {**entry, "file": name}
     if weight_map is not None:
         missing = [k for k in weight_map if k not in tensors]
         if missing:
@@ -207,7 +226,62 @@ def check_checkpoint(folder: str | os.PathLike) -> dict:
         if packed and scale.get("dtype") == "F8_E4M3" and "nvfp4-pack-quantized" in \
                 formats_in_use and f"{module}.weight_global_scale" not in tensors:
             raise CheckpointError(f"{folder}: {module} has no weight_global_scale tensor")
+        if packed or fp8:
+            _check_stored(folder, module, tensors)
     return qcfg
+
+
+def _check_stored(folder: Path, module: str, tensors: dict[str, dict]) -> None:
+    """The tensors of one quantized module have the dtypes and shapes their format
+    implies, and finite, positive scales (read from the file: scales are small)."""
+    packed = tensors.get(f"{module}.weight_packed")
+    if packed is not None:
+        fmt = ("nvfp4-pack-quantized" if f"{module}.weight_global_scale" in tensors
+               else "mxfp4-pack-quantized")
+        out, inp = packed["shape"][0], packed["shape"][1] * 2  # two E2M1 codes per byte
+    else:
+        fmt = "float-quantized"
+        out, inp = tensors[f"{module}.weight"]["shape"]
+    for name, (dtypes, shape_of) in _STORED[fmt].items():
+        entry = tensors.get(f"{module}.{name}")
+        if entry is None:
+            raise CheckpointError(f"{folder}: {module} has no {name} tensor ({fmt})")
+        if entry["dtype"] not in dtypes:
+            raise CheckpointError(f"{folder}: {module}.{name} is stored as {entry['dtype']}, "
+                                  f"{fmt} stores it as {' or '.join(dtypes)}; the checkpoint "
+                                  "is damaged: quantize again")
+        if list(entry["shape"]) != shape_of(out, inp):
+            raise CheckpointError(f"{folder}: {module}.{name} has shape {entry['shape']}, "
+                                  f"{fmt} needs {shape_of(out, inp)} for a {out}x{inp} "
+                                  "weight; the checkpoint is damaged: quantize again")
+    for name in ("weight_global_scale",) + (("weight_scale",) if fmt == "float-quantized"
+                                            else ()):
+        if f"{module}.{name}" in tensors:
+            value = _read_tensor(folder, tensors[f"{module}.{name}"], f"{module}.{name}")
+            if not bool(torch.isfinite(value).all()) or bool((value <= 0).any()):
+                raise CheckpointError(f"{folder}: {module}.{name} holds a NaN, infinite, zero "
+                                      "or negative scale; the checkpoint is damaged: quantize "
+                                      "again")
+
+
+def _read_tensor(folder: Path, entry: dict, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(folder / entry["file"], framework="pt") as fh:
+        return fh.get_tensor(name).float()
+
+
+def checkpoint_tokenizer(folder: str | os.PathLike):
+    """The tokenizer saved in a checkpoint folder; one line naming the folder if none."""
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
+    if not (folder / TOKENIZER_CONFIG).is_file() or not any(
+            (folder / v).is_file() for v in VOCABULARIES):
+        raise CheckpointError(f"{folder}: no tokenizer ({TOKENIZER_CONFIG} and one of "
+                              f"{', '.join(VOCABULARIES)}); copy the base model's tokenizer "
+                              "in with tokenizer.save_pretrained")
+    return AutoTokenizer.from_pretrained(folder)
 
 
 # --- the two sides ---------------------------------------------------------------------

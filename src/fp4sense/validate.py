@@ -1,0 +1,147 @@
+"""Checks at the edge: every flag typed and ranged, every path checked, before any work.
+
+The parser types below turn a bad value into argparse's one-line usage error (exit 2)
+naming the flag; the path checks raise :class:`InputError` (exit 1) naming the path and
+the fix. Nothing is computed when the output cannot be written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import shutil
+import socket
+from pathlib import Path
+
+__all__ = ["InputError", "block_list", "check_output_folder", "check_writable",
+           "non_empty", "positive_float", "positive_int", "non_negative_float",
+           "remove_dead_partials", "write_owner"]
+
+
+class InputError(ValueError):
+    """A flag, path or file the user gave cannot be used (the message names it)."""
+
+
+def positive_int(value: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be at least 1")
+    return n
+
+
+def _finite(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"{value!r}: must be a finite number")
+    return x
+
+
+def positive_float(value: str) -> float:
+    """argparse type: a finite number > 0."""
+    x = _finite(value)
+    if x <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be greater than 0")
+    return x
+
+
+def non_negative_float(value: str) -> float:
+    """argparse type: a finite number >= 0."""
+    x = _finite(value)
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: must not be negative")
+    return x
+
+
+def non_empty(value: str) -> str:
+    """argparse type: a string with something in it."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return value
+
+
+def block_list(value: str) -> list[int]:
+    """argparse type: comma-separated block numbers ('' = none)."""
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not all(re.fullmatch(r"\d+", v) for v in items):
+        raise argparse.ArgumentTypeError(f"{value!r}: give block numbers such as 0,5,29")
+    return [int(v) for v in items]
+
+
+def check_writable(folder: Path, what: str, fix: str) -> None:
+    """``folder`` (or the nearest existing parent) accepts new files; else one line."""
+    probe = Path(folder)
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise InputError(f"{what} {folder}: {probe} is a file, not a folder; {fix}")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise InputError(f"{what} {folder}: {probe} is not writable; {fix}")
+
+
+def check_output_folder(out: Path, *, overwrite: bool, protected: list[Path] = ()) -> None:
+    """Refuse an output folder that would lose the user's files: the current folder, a
+    protected path (the model) or a folder holding or inside one, an existing file, a
+    non-empty folder without ``overwrite``, or one that cannot be written."""
+    out = Path(out)
+    here = Path.cwd().resolve()
+    target = out.resolve()
+    if target == here or target in here.parents:
+        raise InputError(f"--out {out} is the current folder or holds it; fp4sense writes "
+                         "a new folder there in one rename: name a new folder")
+    for path in protected:
+        p = Path(path).resolve()
+        if target == p or target in p.parents or p in target.parents:
+            raise InputError(f"--out {out} is, holds or is inside the model folder {path}; "
+                             "the model would be lost or changed: choose another folder")
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is an existing file; choose a folder name")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise InputError(f"{out} exists and is not empty; choose another --out or pass "
+                         "--overwrite")
+    check_writable(target.parent, "--out", "choose a folder you can write to")
+
+
+_OWNER = ".fp4sense-owner"
+
+
+def write_owner(work: Path) -> None:
+    """Mark a work-in-progress folder with the process that writes it."""
+    (Path(work) / _OWNER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
+
+
+def remove_dead_partials(parent: Path, name: str) -> list[str]:
+    """Remove ``.NAME.partial-*`` folders beside an output whose writer is provably dead
+    (same host, process gone); name the ones that cannot be proven dead. One line each."""
+    notes = []
+    for folder in sorted(Path(parent).glob(f".{name}.partial-*")):
+        owner = folder / _OWNER
+        try:
+            host, pid = owner.read_text().split()
+            alive = host != socket.gethostname() or _alive(int(pid))
+        except (OSError, ValueError):
+            notes.append(f"{folder} is left from an interrupted run of an older fp4sense; "
+                         "remove it by hand if no run is writing it")
+            continue
+        if not alive:
+            shutil.rmtree(folder, ignore_errors=True)
+            notes.append(f"removed {folder}, left by a run that was killed (pid {pid})")
+    return notes
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
