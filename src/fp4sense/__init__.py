@@ -3,6 +3,6 @@
 The core imports neither llm-compressor nor vLLM; the adapters live in ``plugins/``.
 """
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = ["__version__"]

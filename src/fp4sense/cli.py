@@ -33,7 +33,7 @@ EXIT_INTERRUPTED = 130
 EXIT_CODES_HELP = """exit codes:
   0    success
   1    bad input (a file, model, scheme, budget or folder), named in one line
-  2    usage error (unknown flag, missing argument)
+  2    usage error (unknown flag, missing argument, a value out of range)
   3    an offline asset (bundled model or text) could not be fetched or verified
   4    verify-vllm: vLLM and transformers disagree beyond the tolerance
   5    push: no token, the Hub not reachable, or the upload refused
