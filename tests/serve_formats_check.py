@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ct_reference import as_bytes, reference, same_bits, special_weights  # noqa: E402
 from fp4sense import formats as F  # noqa: E402
+from fp4sense import fp4  # noqa: E402
 
 
 def main() -> None:
@@ -27,11 +28,11 @@ def main() -> None:
             weights += special_weights(dtype, block)
             for name, w in weights:
                 expected, fake, decompressed = reference(w, fmt)
-                ours = F.compress(w, fmt)
+                ours = fp4.compress(w, fmt)
                 ok = sorted(ours) == sorted(expected) and all(
                     same_bits(as_bytes(ours[k]), as_bytes(expected[k])) for k in expected)
-                ok = ok and same_bits(F.quantize_dequantize(w, fmt), fake)
-                ok = ok and same_bits(F.decompress(expected, fmt, torch.bfloat16), decompressed)
+                ok = ok and same_bits(fp4.quantize_dequantize(w, fmt), fake)
+                ok = ok and same_bits(fp4.decompress(expected, fmt, torch.bfloat16), decompressed)
                 cases += 1
                 if not ok:
                     bad.append(f"{fmt}/{dtype}/{name}")

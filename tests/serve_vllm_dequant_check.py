@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ct_reference import same_bits, special_weights  # noqa: E402
-from fp4sense import formats as F  # noqa: E402
+from fp4sense import e2m1, fp4  # noqa: E402
 
 
 def _vllm_dequant(t: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,12 +45,12 @@ def main() -> None:
                    for s in (0.003, 0.05, 1.0)]
         weights += special_weights(dtype, 16)
         for name, w in weights:
-            t = F.compress(w, "nvfp4")
+            t = fp4.compress(w, "nvfp4")
             values, theirs = _vllm_dequant(t, dtype)
             unit_scales = torch.ones(w.shape[0], w.shape[1] // 16).to(torch.float8_e4m3fn)
-            ours_values = F.dequantize_codes(F.unpack_codes(t["weight_packed"]), unit_scales,
+            ours_values = fp4.dequantize_codes(e2m1.unpack_codes(t["weight_packed"]), unit_scales,
                                              "nvfp4", torch.ones(1))
-            ours = F.decompress(t, "nvfp4", dtype)
+            ours = fp4.decompress(t, "nvfp4", dtype)
             cases += 1
             if not same_bits(ours_values, values.reshape(ours_values.shape)):
                 bad.append(f"{dtype} {name}: E2M1 values differ")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ct_reference import as_bytes, reference, reference_global_scale, same_bits, special_weights
+from fp4sense import e2m1, fp4
 from fp4sense import formats as F
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -15,14 +16,14 @@ SHAPES = [(16, 64), (33, 96), (576, 1536), (1, 32)]
 
 def assert_matches_reference(weight: torch.Tensor, fmt: str, global_scale=None) -> None:
     expected, fake, decompressed = reference(weight, fmt, global_scale)
-    ours = F.compress(weight, fmt, global_scale)
+    ours = fp4.compress(weight, fmt, global_scale)
     assert sorted(ours) == sorted(expected)
     for key in expected:
         assert same_bits(as_bytes(ours[key]), as_bytes(expected[key])), key
     # our fake quantization == compressed-tensors' fake_quantize (weight dtype)
-    assert same_bits(F.quantize_dequantize(weight, fmt, global_scale), fake)
+    assert same_bits(fp4.quantize_dequantize(weight, fmt, global_scale), fake)
     # our decompression of *their* bytes == their decompressor (bf16)
-    assert same_bits(F.decompress(expected, fmt, torch.bfloat16), decompressed)
+    assert same_bits(fp4.decompress(expected, fmt, torch.bfloat16), decompressed)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -50,23 +51,23 @@ def test_edge_cases_match_compressed_tensors(fmt, dtype):
 def test_each_e2m1_code_round_trips():
     """Every one of the 16 codes encodes, packs, unpacks and decodes to its value."""
     codes = torch.arange(16, dtype=torch.uint8).repeat(2, 2)  # (2, 32)
-    unpacked = F.unpack_codes(F.pack_codes(codes))
+    unpacked = e2m1.unpack_codes(e2m1.pack_codes(codes))
     assert torch.equal(unpacked, codes)
-    packed = F.pack_codes(codes)
+    packed = e2m1.pack_codes(codes)
     assert packed[0, 0].item() == 0x10  # code 0 in the low nibble, code 1 in the high
-    values = F.dequantize_codes(codes, torch.zeros(2, 1, dtype=torch.uint8) + F.E8M0_BIAS,
+    values = fp4.dequantize_codes(codes, torch.zeros(2, 1, dtype=torch.uint8) + F.E8M0_BIAS,
                                 "mxfp4")
-    expected = torch.tensor(F.E2M1_VALUES + tuple(-v for v in F.E2M1_VALUES)).repeat(2, 2)
+    expected = torch.tensor(e2m1.E2M1_VALUES + tuple(-v for v in e2m1.E2M1_VALUES)).repeat(2, 2)
     assert same_bits(values, expected.to(torch.float32))
 
 
 def test_rounding_ties_go_to_even_code():
     scale = torch.full((1, 1), F.E8M0_BIAS, dtype=torch.uint8)  # step 1.0
     x = torch.tensor([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0] * 4])
-    codes = F.quantize_to_codes(x, scale, "mxfp4")[0, :8].tolist()
+    codes = fp4.quantize_to_codes(x, scale, "mxfp4")[0, :8].tolist()
     assert codes == [0, 2, 2, 4, 4, 6, 6, 7]
-    neg = F.quantize_to_codes(-x, scale, "mxfp4")[0, :8].tolist()
-    assert neg == [c | F.E2M1_SIGN_BIT for c in codes]  # -0.25 -> -0 keeps its sign
+    neg = fp4.quantize_to_codes(-x, scale, "mxfp4")[0, :8].tolist()
+    assert neg == [c | e2m1.E2M1_SIGN_BIT for c in codes]  # -0.25 -> -0 keeps its sign
 
 
 def test_smollm2_every_linear_matches(smollm2_state):
@@ -83,7 +84,7 @@ def test_smollm2_every_linear_matches(smollm2_state):
             for name, weight in zip(names, weights, strict=True):
                 for fmt in FORMATS:
                     expected, _, _ = reference(weight, fmt, gs if fmt == "nvfp4" else None)
-                    ours = F.compress(weight, fmt, gs if fmt == "nvfp4" else None, name=name)
+                    ours = fp4.compress(weight, fmt, gs if fmt == "nvfp4" else None, name=name)
                     for key in expected:
                         assert same_bits(as_bytes(ours[key]), as_bytes(expected[key])), (name, key)
                 checked += 1
@@ -95,14 +96,14 @@ def test_non_finite_weight_is_named(bad):
     w = torch.randn(4, 32)
     w[2, 5] = bad
     with pytest.raises(F.FormatError, match=r"model\.layers\.3\.mlp\.up_proj.*NaN/Inf"):
-        F.compress(w, "nvfp4", name="model.layers.3.mlp.up_proj")
+        fp4.compress(w, "nvfp4", name="model.layers.3.mlp.up_proj")
 
 
 def test_indivisible_input_dimension_names_layer_and_block():
     w = torch.randn(4, 48)
     with pytest.raises(F.FormatError, match=r"lm_head.*48.*MXFP4 block size 32"):
-        F.compress(w, "mxfp4", name="lm_head")
-    F.compress(w, "nvfp4")  # 48 = 3 x 16 is fine for NVFP4
+        fp4.compress(w, "mxfp4", name="lm_head")
+    fp4.compress(w, "nvfp4")  # 48 = 3 x 16 is fine for NVFP4
 
 
 def test_unknown_format_lists_choices():
@@ -111,10 +112,10 @@ def test_unknown_format_lists_choices():
 
 
 def test_decompress_names_missing_tensor():
-    t = F.compress(torch.randn(4, 32), "nvfp4")
+    t = fp4.compress(torch.randn(4, 32), "nvfp4")
     del t["weight_global_scale"]
     with pytest.raises(F.FormatError, match="weight_global_scale"):
-        F.decompress(t, "nvfp4")
+        fp4.decompress(t, "nvfp4")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -130,4 +131,4 @@ def test_activation_fake_quant_matches_compressed_tensors_dynamic_mxfp4(dtype):
     x = (torch.randn(3, 5, 64, generator=g) * torch.logspace(-3, 2, 64)).to(dtype)
     x[0, 0, :32] = 0
     expected = forward_quantize(module, x, "input", args)
-    assert same_bits(F.quantize_dequantize_activations(x, "mxfp4"), expected)
+    assert same_bits(fp4.quantize_dequantize_activations(x, "mxfp4"), expected)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fp4sense import formats as F
+from fp4sense import fp4
 from fp4sense.scale_search import block_errors, search_block_scales
 
 FORMATS = ["nvfp4", "mxfp4"]
@@ -75,10 +76,10 @@ def test_searched_scales_store_in_standard_format():
 
     w = torch.randn(16, 64, dtype=torch.bfloat16)
     _, _, searched, gs = _amax_and_search_errors(w, "nvfp4")
-    ours = F.compress(w, "nvfp4", gs, scales=searched)
+    ours = fp4.compress(w, "nvfp4", gs, scales=searched)
     scheme = to_quantization_scheme("NVFP4A16_SEARCH", ["Linear"])
     theirs = COMPRESSOR["nvfp4"].decompress(dict(ours), scheme)["weight"]
-    assert torch.equal(theirs, F.decompress(ours, "nvfp4"))
+    assert torch.equal(theirs, fp4.decompress(ours, "nvfp4"))
 
 
 @pytest.mark.parametrize("fmt,scheme", [("nvfp4", "NVFP4A16_SEARCH"), ("mxfp4", "MXFP4A16_SEARCH")])
@@ -127,9 +128,9 @@ def test_search_scheme_checkpoint_is_standard_and_never_worse(tiny_llama, tmp_pa
         tensors = {k: written[f"{linear}.{k}"] for k in
                    ("weight_packed", "weight_scale", "weight_global_scale")}
         w = base[f"{linear}.weight"]
-        amax = F.compress(w, "nvfp4", tensors["weight_global_scale"])
-        e_search = (F.decompress(tensors, "nvfp4", torch.float32) - w.float()).square()
-        e_amax = (F.decompress(amax, "nvfp4", torch.float32) - w.float()).square()
+        amax = fp4.compress(w, "nvfp4", tensors["weight_global_scale"])
+        e_search = (fp4.decompress(tensors, "nvfp4", torch.float32) - w.float()).square()
+        e_amax = (fp4.decompress(amax, "nvfp4", torch.float32) - w.float()).square()
         blocks = lambda e: e.unflatten(-1, (-1, 16)).sum(-1)  # noqa: E731
         assert bool((blocks(e_search) <= blocks(e_amax)).all()), linear
         changed += int((tensors["weight_scale"].view(torch.uint8)

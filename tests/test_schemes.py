@@ -9,6 +9,7 @@ import torch
 
 from ct_reference import COMPRESSOR, as_bytes, same_bits
 from fp4sense import formats as F
+from fp4sense import fp4
 from fp4sense.schemes import MENU, SchemeError, bits_per_weight, get_scheme, to_quantization_scheme
 
 EXPECTED_MENU = {"NVFP4", "NVFP4A16", "MXFP4", "MXFP4A16", "FP8_DYNAMIC", "INT8", "INT4", "BF16"}
@@ -131,13 +132,13 @@ def test_llmcompressor_checkpoint_bytes_match_ours(scheme, fmt, assets, smollm2_
         parent, proj = linear.rsplit(".", 1)
         group = [smollm2_state[f"{parent}.{p}.weight"] for p in fused.get(proj, (proj,))]
         gs = F.global_scale(*group) if fmt == "nvfp4" else None
-        ours = F.compress(smollm2_state[f"{linear}.weight"], fmt, gs, name=linear)
+        ours = fp4.compress(smollm2_state[f"{linear}.weight"], fmt, gs, name=linear)
         for k, v in ours.items():
             assert same_bits(as_bytes(v), as_bytes(written[f"{linear}.{k}"])), (linear, k)
         # our decompression of the written bytes == compressed-tensors' decompressor
         theirs = {k: written[f"{linear}.{k}"] for k in ours}
         scheme_obj = to_quantization_scheme(scheme, ["Linear"])
         decompressed = COMPRESSOR[fmt].decompress(dict(theirs), scheme_obj)["weight"]
-        assert same_bits(F.decompress(theirs, fmt), decompressed)
+        assert same_bits(fp4.decompress(theirs, fmt), decompressed)
         count += 1
     assert count == 210

@@ -11,12 +11,13 @@ import torch
 
 from conftest import FP4SENSE
 from fp4sense.sensitivity import (
+    Entry,
     ReportError,
     SensitivityReport,
     _Analysis,
     _Cache,
     analyze,
-    spearman,
+    correlations,
 )
 from fp4sense.units import UnitError, find_units
 
@@ -218,11 +219,33 @@ def test_estimate_ranks_smollm2_units_like_measurement(assets):
     assert corr["n"] == 12 and corr["spearman"] > 0.6, corr
 
 
-def test_spearman():
-    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
-    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
-    assert spearman([1, 1, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833, rel=1e-6)
-    assert math.isnan(spearman([1, 2], [1, 2]))
+def test_correlations_rank_measured_against_estimated(tiny):
+    """Spearman's rho per view and scheme where both modes exist (ties averaged);
+    undefined (nan) for a constant column; views with fewer than 3 targets left out."""
+    units = find_units(tiny)
+    names = [u.name for u in units.units][:4]
+
+    def report(measured, estimated):
+        entries = [Entry("grid", "NVFP4", t, "measured", m, 0.0) for t, m in
+                   zip(names, measured, strict=True)]
+        entries += [Entry("grid", "NVFP4", t, "estimated", e, 0.0) for t, e in
+                    zip(names, estimated, strict=True)]
+        return SensitivityReport(model="tiny", model_fingerprint="f" * 16, text={},
+                                 schemes=["NVFP4"], units=units, entries=entries,
+                                 base_ppl=1.0)
+
+    def rho(measured, estimated):
+        (corr,) = correlations(report(measured, estimated))
+        assert (corr["view"], corr["scheme"], corr["n"]) == ("grid", "NVFP4", 4)
+        return corr["spearman"]
+
+    assert rho([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert rho([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert rho([1, 1, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833, rel=1e-6)
+    assert math.isnan(rho([1, 1, 1, 1], [1, 2, 3, 4]))
+    only_two = report([1, 2, 3, 4], [1, 2, 3, 4])
+    only_two.entries = [e for e in only_two.entries if e.target in names[:2]]
+    assert correlations(only_two) == []
 
 
 # --- report file and cache ------------------------------------------------------------

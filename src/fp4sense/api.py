@@ -321,7 +321,7 @@ def quantize_model(
             report = SensitivityReport.load(sensitivity, model_fingerprint(hf_model))
         else:
             t = time.perf_counter()
-            quantized = [s for s in menu if get_scheme(s).preset is not None]
+            quantized = [s for s in menu if get_scheme(s).quantizes]
             report = analyze(hf_model, calib[:estimate_windows], schemes=quantized,
                              views=["grid"], modes=["estimated"], cache_dir=None,
                              text={"source": _text_source(text)},
@@ -393,7 +393,7 @@ def _check_plan_quantizes(plan, budget_bits: float | None, budget_bytes: int | N
     if asked is not None and asked > hi + 1e-9:
         log(f"note: the budget ({asked:.3f} bits per weight) is above what the menu can use "
             f"({hi:.3f}); planned at the menu's top")
-    if not any(get_scheme(c.scheme).preset is not None for c in plan.choices):
+    if not any(get_scheme(c.scheme).quantizes for c in plan.choices):
         raise PlanError(
             f"the plan leaves every unit in BF16, so nothing would be quantized; give a "
             f"budget below {hi:.3f} bits per weight (the menu reaches {lo:.3f}–{hi:.3f}) or "

@@ -23,10 +23,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fp4sense import formats
+from fp4sense import formats, fp4
 from fp4sense.schemes import Scheme, get_scheme, to_quantization_scheme
 
-__all__ = ["activation_quantizer", "quantize_weights", "round_to_e2m1"]
+__all__ = ["activation_quantizer", "quantize_weights"]
 
 
 def _minmax_qdq(weight: torch.Tensor, args) -> torch.Tensor:
@@ -64,7 +64,7 @@ def quantize_weights(
     elif s.is_fp4:
         fmt = formats.get_format(s.weight_format)
         gs = formats.global_scale(*ws) if fmt.has_global_scale else None
-        result = [formats.quantize_dequantize(w, fmt, global_scale=gs) for w in ws]
+        result = [fp4.quantize_dequantize(w, fmt, global_scale=gs) for w in ws]
     else:
         args = to_quantization_scheme(s, ["Linear"]).weights
         result = [_minmax_qdq(w, args) for w in ws]
@@ -75,55 +75,40 @@ def activation_quantizer(
     scheme: str | Scheme, input_amax: float | None = None
 ) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """A function fake-quantizing a linear's input as ``scheme`` serves it, or None when
-    the scheme keeps activations in 16 bits. NVFP4 needs ``input_amax``."""
+    the scheme keeps activations in 16 bits. NVFP4 needs ``input_amax`` (its static
+    input global scale is made from it, as llm-compressor calibrates it).
+
+    FP4 inputs go through :func:`fp4sense.fp4.quantize_dequantize_activations`, the
+    one activation quantizer; FP8 / INT8 through compressed-tensors' ``forward_quantize``.
+    """
     from compressed_tensors.quantization import QuantizationStatus
     from compressed_tensors.quantization.lifecycle.forward import forward_quantize
-    from compressed_tensors.quantization.utils import (
-        compute_dynamic_scales_and_zp,
-        generate_gparam,
-    )
+    from compressed_tensors.quantization.utils import generate_gparam
 
     s = get_scheme(scheme)
     if s.activations is None:
         return None
+    if s.is_fp4:
+        fmt = formats.get_format(s.weight_format)
+        global_scale = None
+        if fmt.has_global_scale:
+            if input_amax is None:
+                raise ValueError(f"{s.name} quantizes inputs under a static global scale: "
+                                 "pass the input's absolute maximum")
+            amax = torch.tensor(float(input_amax))
+            global_scale = generate_gparam(-amax, amax)
+
+        def quantize_fp4(x: torch.Tensor) -> torch.Tensor:
+            return fp4.quantize_dequantize_activations(x, fmt, global_scale)
+
+        return quantize_fp4
+
     args = to_quantization_scheme(s, ["Linear"]).input_activations
-    # forward_quantize reads the status and the global scale from a module
+    # forward_quantize reads the status from a module
     holder = torch.nn.Module()
     holder.quantization_status = QuantizationStatus.FROZEN
-    if s.weight_format == "nvfp4":
-        if input_amax is None:
-            raise ValueError(f"{s.name} quantizes inputs under a static global scale: "
-                             "pass the input's absolute maximum")
-        amax = torch.tensor(float(input_amax))
-        holder.input_global_scale = generate_gparam(-amax, amax)
 
-    if not s.is_fp4:
-        def quantize(x: torch.Tensor) -> torch.Tensor:
-            return forward_quantize(holder, x, "input", args)
+    def quantize(x: torch.Tensor) -> torch.Tensor:
+        return forward_quantize(holder, x, "input", args)
 
-        return quantize
-
-    global_scale = getattr(holder, "input_global_scale", None)
-
-    def quantize_fp4(x: torch.Tensor) -> torch.Tensor:
-        # compressed-tensors' own scales, then its quantize-dequantize steps in the same
-        # order with a faster (bit-identical) E2M1 rounding; tests compare the two
-        scale, _ = compute_dynamic_scales_and_zp(x, args, holder, global_scale)
-        scale = scale.unsqueeze(-1)
-        if global_scale is not None:
-            scale = scale / global_scale
-        scaled = torch.clamp(x.unflatten(-1, (-1, args.group_size)) / scale,
-                             -formats.E2M1_MAX, formats.E2M1_MAX)
-        return (round_to_e2m1(scaled).to(scale.dtype) * scale).flatten(-2).to(x.dtype)
-
-    return quantize_fp4
-
-
-def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Nearest E2M1 value (ties to the even code), for ``|x| <= 6``: the same values as
-    compressed-tensors' eager ``cast_to_fp4``, in a few vector passes. Steps are 0.5
-    below 2, 1 below 4 and 2 up to 6, so rounding ``x / step`` half-to-even is exact."""
-    a = x.abs()
-    r = torch.where(a < 2, torch.round(a * 2) / 2,
-                    torch.where(a < 4, torch.round(a), torch.round(a / 2) * 2))
-    return r.clamp_(max=formats.E2M1_MAX) * torch.sign(x)
+    return quantize

@@ -22,54 +22,25 @@ Like llm-compressor, the block and tensor amax are taken in the weight's own dty
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
+from fp4sense.e2m1 import E2M1_MAX, E2M1Error
+
 __all__ = [
-    "E2M1_MAX",
-    "E2M1_VALUES",
     "E4M3_MAX",
     "E8M0_BIAS",
     "FORMATS",
     "FP4Format",
     "FormatError",
     "check_weight",
-    "compress",
     "decode_scales",
-    "decompress",
-    "dequantize_codes",
     "get_format",
     "global_scale",
     "amax_block_scales",
-    "pack_codes",
-    "quantize_dequantize",
-    "quantize_dequantize_activations",
-    "quantize_to_codes",
-    "unpack_codes",
+    "register_format",
 ]
 
-# --- named constants (no magic numbers below) -------------------------------------
-#: the eight E2M1 magnitudes, indexed by the low three bits of a code
-E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-E2M1_MAX = 6.0
-#: bit 3 of an E2M1 code is its sign
-E2M1_SIGN_BIT = 0b1000
-E2M1_MAGNITUDE_MASK = 0b0111
-#: boundaries between consecutive E2M1 magnitudes. A value exactly on a boundary goes
-#: to the magnitude with the even code (round half to even), as compressed-tensors does:
-#: 0.25->0, 0.75->1.0, 1.25->1.0, 1.75->2.0, 2.5->2.0, 3.5->4.0, 5.0->4.0.
-_E2M1_BOUNDARIES: tuple[tuple[float, bool], ...] = (
-    # (boundary, a value equal to it rounds up)
-    (0.25, False),
-    (0.75, True),
-    (1.25, False),
-    (1.75, True),
-    (2.5, False),
-    (3.5, True),
-    (5.0, False),
-)
+# --- named constants (no magic numbers below; E2M1's own are in fp4sense.e2m1) -----
 E4M3_MAX = 448.0
 #: compressed-tensors replaces an E4M3 block scale of 0 (an all-zero block) by this
 E4M3_ZERO_SCALE = 0.125
@@ -82,28 +53,152 @@ BITS_PER_BYTE = 8
 FLOAT32_BYTES = 4
 
 
-class FormatError(ValueError):
+class FormatError(E2M1Error):
     """A weight cannot be stored in the requested FP4 format (says which and why)."""
 
 
-@dataclass(frozen=True)
-class FP4Format:
-    """Description of one FP4 weight format (what it is; the functions below act)."""
+#: name -> format; filled by :func:`register_format`
+FORMATS: dict[str, FP4Format] = {}
 
-    name: Literal["nvfp4", "mxfp4"]
+
+def register_format(cls: type[FP4Format]) -> type[FP4Format]:
+    """Class decorator: make an FP4 format available by its name (``get_format``)."""
+    FORMATS[cls.name] = cls()
+    return cls
+
+
+class FP4Format:
+    """E2M1 elements in blocks along the input dimension, each block with a stored scale.
+
+    A subclass says how a block's scale is chosen from its amax, stored, decoded and
+    stepped; packing, codes and rounding are shared (compressed-tensors' MXFP4
+    compressor likewise subclasses its NVFP4 one). Describes; the functions below act.
+    """
+
+    name: str
     block_size: int
     scale_dtype: torch.dtype
-    has_global_scale: bool
     compression_format: str  # compressed-tensors' CompressionFormat value
+    has_global_scale: bool = False
+    #: stored-scale codes a scale search may move to (never 0: an empty scale)
+    min_scale_code: int
+    max_scale_code: int
+    #: candidate offsets (in stored-scale steps) a scale search tries around amax
+    search_steps: tuple[int, int]
 
     @property
     def scale_bits(self) -> int:
         return torch.finfo(self.scale_dtype).bits if self.scale_dtype.is_floating_point else 8
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
 
-NVFP4 = FP4Format("nvfp4", 16, torch.float8_e4m3fn, True, "nvfp4-pack-quantized")
-MXFP4 = FP4Format("mxfp4", 32, torch.uint8, False, "mxfp4-pack-quantized")
-FORMATS: dict[str, FP4Format] = {"nvfp4": NVFP4, "mxfp4": MXFP4}
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self)
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def tensor_scale(self, weights: tuple[torch.Tensor, ...],
+                     given: torch.Tensor | None) -> torch.Tensor | None:
+        """The tensor-wide scale to use (None where the format has none)."""
+        return None
+
+    def block_scales(self, amax: torch.Tensor, dtype: torch.dtype,
+                     tensor_scale: torch.Tensor | None) -> torch.Tensor:
+        """Stored block scales for blocks with absolute maximum ``amax``."""
+        raise NotImplementedError
+
+    def decode_scales(self, scales: torch.Tensor,
+                      tensor_scale: torch.Tensor | None) -> torch.Tensor:
+        """Stored block scales -> the float32 step of each block."""
+        raise NotImplementedError
+
+    def quantize_step(self, scales: torch.Tensor, tensor_scale: torch.Tensor | None,
+                      dtype: torch.dtype) -> torch.Tensor:
+        """The step a value of ``dtype`` is divided by before rounding (as upstream)."""
+        return self.decode_scales(scales, tensor_scale).to(dtype)
+
+    def scale_codes(self, scales: torch.Tensor) -> torch.Tensor:
+        """Stored scales as ordered unsigned codes (bigger code, bigger scale)."""
+        return scales.view(torch.uint8)
+
+    def scales_from_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        return codes.to(torch.uint8).view(self.scale_dtype)
+
+
+@register_format
+class NVFP4Format(FP4Format):
+    """NVFP4: blocks of 16, FP8 E4M3 block scales under an FP32 global scale."""
+
+    name = "nvfp4"
+    block_size = 16
+    scale_dtype = torch.float8_e4m3fn
+    compression_format = "nvfp4-pack-quantized"
+    has_global_scale = True
+    # positive E4M3 bit patterns are ordered like their values; 0x7F is NaN
+    min_scale_code = 1
+    max_scale_code = 0x7E  # 448
+    #: E4M3 steps are 2^(1/8) apart: -6..+6 spans about 0.6x..1.7x of the amax scale
+    search_steps = (-6, 6)
+
+    def tensor_scale(self, weights, given):
+        if given is not None:
+            return given.to(torch.float32).reshape(1)
+        return global_scale(*weights)
+
+    def block_scales(self, amax, dtype, tensor_scale):
+        if tensor_scale is None:
+            raise ValueError("NVFP4 block scales need the (fused) global scale")
+        local = amax / torch.tensor(E2M1_MAX, dtype=amax.dtype)
+        return _round_to_e4m3(tensor_scale * local)
+
+    def decode_scales(self, scales, tensor_scale):
+        if tensor_scale is None:
+            raise ValueError("NVFP4 needs weight_global_scale to decode its block scales")
+        return scales.to(torch.float32) / tensor_scale.to(torch.float32)
+
+    def quantize_step(self, scales, tensor_scale, dtype):
+        # llm-compressor keeps the E4M3 scale in the weight's dtype (exact) and divides
+        # by the float32 global scale
+        return scales.to(dtype) / tensor_scale
+
+
+@register_format
+class MXFP4Format(NVFP4Format):
+    """MXFP4 (OCP MX): blocks of 32, E8M0 power-of-two block scales, no global scale."""
+
+    name = "mxfp4"
+    block_size = 32
+    scale_dtype = torch.uint8
+    compression_format = "mxfp4-pack-quantized"
+    has_global_scale = False
+    min_scale_code = 0
+    max_scale_code = 254  # 255 is reserved for NaN in the OCP MX spec
+    #: E8M0 steps are factors of 2
+    search_steps = (-1, 1)
+
+    def tensor_scale(self, weights, given):
+        return None
+
+    def block_scales(self, amax, dtype, tensor_scale):
+        power = _round_amax_to_power_of_two(amax)
+        exponent = E8M0_BIAS + torch.floor(torch.log2(power)) - MX_E2M1_EXPONENT_OFFSET
+        code = torch.round(torch.clamp(exponent, 0, E8M0_MAX_CODE)).to(torch.uint8)
+        # compressed-tensors holds the decoded step in the weight's dtype and replaces a
+        # step that underflowed to 0 there (fp16 only, tiny blocks) by 1.0, i.e. code 127
+        underflow = self.decode_scales(code, None).to(dtype) == 0
+        return torch.where(underflow, torch.tensor(E8M0_BIAS, dtype=torch.uint8), code)
+
+    def decode_scales(self, scales, tensor_scale):
+        return torch.exp2(scales.to(torch.int32).to(torch.float32) - E8M0_BIAS)
+
+    def quantize_step(self, scales, tensor_scale, dtype):
+        return self.decode_scales(scales, None).to(dtype)
+
+
+NVFP4 = FORMATS["nvfp4"]
+MXFP4 = FORMATS["mxfp4"]
 
 
 def get_format(fmt: str | FP4Format) -> FP4Format:
@@ -221,200 +316,38 @@ def amax_block_scales(
     MXFP4: the E8M0 biased exponent as uint8, shape (out, in/32).
     """
     f = get_format(fmt)
-    amax = _block_amax(weight, f.block_size)
-    if f.name == "nvfp4":
-        if global_scale is None:
-            raise ValueError("NVFP4 block scales need the (fused) global scale")
-        local = amax / torch.tensor(E2M1_MAX, dtype=amax.dtype)
-        return _round_to_e4m3(global_scale * local)
-    power = _round_amax_to_power_of_two(amax)
-    exponent = E8M0_BIAS + torch.floor(torch.log2(power)) - MX_E2M1_EXPONENT_OFFSET
-    code = torch.round(torch.clamp(exponent, 0, E8M0_MAX_CODE)).to(torch.uint8)
-    # compressed-tensors holds the decoded step in the weight's dtype and replaces a
-    # step that underflowed to 0 there (fp16 only, tiny blocks) by 1.0, i.e. code 127
-    underflow = decode_scales(code, f).to(weight.dtype) == 0
-    return torch.where(underflow, torch.tensor(E8M0_BIAS, dtype=torch.uint8), code)
+    return f.block_scales(_block_amax(weight, f.block_size), weight.dtype, global_scale)
 
 
 def decode_scales(
     scales: torch.Tensor, fmt: str | FP4Format, global_scale: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Stored block scales -> the float32 step of each block (what one code unit is worth)."""
-    f = get_format(fmt)
-    if f.name == "nvfp4":
-        if global_scale is None:
-            raise ValueError("NVFP4 needs weight_global_scale to decode its block scales")
-        return scales.to(torch.float32) / global_scale.to(torch.float32)
-    return torch.exp2(scales.to(torch.int32).to(torch.float32) - E8M0_BIAS)
+    return get_format(fmt).decode_scales(scales, global_scale)
 
 
 # --- codes --------------------------------------------------------------------------
-def _decision_points() -> torch.Tensor:
-    """Boundaries as strict thresholds: a magnitude above the i-th gets at least code i+1.
-
-    A boundary whose tie rounds up is moved to the float32 just below it, so that one
-    strict comparison (one ``bucketize``) implements both tie directions.
-    """
-    points = []
-    for boundary, tie_up in _E2M1_BOUNDARIES:
-        b = torch.tensor(boundary, dtype=torch.float32)
-        points.append(torch.nextafter(b, torch.tensor(0.0)) if tie_up else b)
-    return torch.stack(points)
 
 
-_E2M1_DECISION_POINTS = _decision_points()
+# --- compatibility: 0.3 names that moved ----------------------------------------------
+_MOVED = {**{n: "fp4" for n in ("compress", "decompress", "dequantize_codes",
+                                "quantize_dequantize", "quantize_dequantize_activations",
+                                "quantize_to_codes")},
+          **{n: "e2m1" for n in ("E2M1_MAX", "E2M1_VALUES", "E2M1_SIGN_BIT",
+                                 "E2M1_MAGNITUDE_MASK", "pack_codes", "unpack_codes")}}
 
 
-def _encode_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Round float values (already divided by their block step) to E2M1 codes (uint8)."""
-    # float32 holds bf16 / fp16 values exactly, so the comparisons are unchanged
-    magnitude = x.abs().to(torch.float32)
-    points = _E2M1_DECISION_POINTS.to(magnitude.device)
-    index = torch.bucketize(magnitude, points, right=False).to(torch.uint8)
-    # a negative value that rounds to zero keeps its sign (-0.0), as upstream stores it
-    sign = (x < 0).to(torch.uint8) * E2M1_SIGN_BIT
-    return index | sign
+def __getattr__(name: str):
+    """``fp4sense.formats.compress`` and the other names of 0.3 that moved to
+    :mod:`fp4sense.fp4` (tensor functions) and :mod:`fp4sense.e2m1` (the element):
+    deprecated aliases for one release."""
+    if name in _MOVED:
+        import warnings
 
+        from fp4sense import e2m1, fp4
 
-def quantize_to_codes(
-    weight: torch.Tensor,
-    scales: torch.Tensor,
-    fmt: str | FP4Format,
-    global_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """E2M1 codes (uint8, one per weight, values 0..15) for ``weight`` under ``scales``."""
-    f = get_format(fmt)
-    if f.name == "nvfp4":
-        # llm-compressor keeps the E4M3 scale in the weight's dtype (exact) and divides
-        # by the float32 global scale
-        step = scales.to(weight.dtype) / global_scale
-    else:
-        step = decode_scales(scales, f).to(weight.dtype)
-    scaled = _blocks(weight, f.block_size) / step.unsqueeze(-1)
-    scaled = torch.clamp(scaled, -E2M1_MAX, E2M1_MAX)
-    return _encode_e2m1(scaled).flatten(-2)
-
-
-def dequantize_codes(
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    fmt: str | FP4Format,
-    global_scale: torch.Tensor | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Codes + block scales -> weight in ``dtype`` (float32 arithmetic, then cast)."""
-    f = get_format(fmt)
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    values = table[(codes & E2M1_MAGNITUDE_MASK).long()]
-    values = torch.where((codes & E2M1_SIGN_BIT) != 0, -values, values)
-    step = decode_scales(scales, f, global_scale)
-    out = _blocks(values, f.block_size) * step.unsqueeze(-1)
-    return out.flatten(-2).to(dtype)
-
-
-def pack_codes(codes: torch.Tensor) -> torch.Tensor:
-    """(out, in) uint8 codes -> (out, in/2) bytes; even column in the low nibble."""
-    if codes.shape[-1] % 2:
-        raise FormatError(f"cannot pack an odd number of columns ({codes.shape[-1]})")
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
-def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
-    """(out, in/2) bytes -> (out, in) uint8 codes."""
-    if packed.dtype != torch.uint8:
-        raise FormatError(f"packed FP4 weights must be uint8, got {packed.dtype}")
-    low = packed & 0x0F
-    high = packed >> 4
-    return torch.stack((low, high), dim=-1).flatten(-2)
-
-
-# --- public API ---------------------------------------------------------------------
-def compress(
-    weight: torch.Tensor,
-    fmt: str | FP4Format,
-    global_scale: torch.Tensor | None = None,
-    scales: torch.Tensor | None = None,
-    name: str = "weight",
-) -> dict[str, torch.Tensor]:
-    """Quantize a linear weight to the tensors compressed-tensors stores for it.
-
-    :param weight: (out, in) floating point weight
-    :param fmt: "nvfp4" or "mxfp4"
-    :param global_scale: NVFP4 only; pass the fused group's shared value (see
-        :func:`global_scale`), else it is computed from ``weight`` alone
-    :param scales: block scales in stored form (E4M3 / E8M0 uint8) to use instead of
-        the amax choice (e.g. from :mod:`fp4sense.scale_search`)
-    :param name: the tensor's name, used in error messages
-    :return: ``weight_packed``, ``weight_scale`` and, for NVFP4, ``weight_global_scale``
-    """
-    f = get_format(fmt)
-    check_weight(weight, f, name)
-    weight = weight.detach()
-    tensor_scale = _tensor_scale(weight, f, global_scale)
-    if scales is None:
-        scales = amax_block_scales(weight, f, tensor_scale)
-    codes = quantize_to_codes(weight, scales, f, tensor_scale)
-    out = {"weight_packed": pack_codes(codes), "weight_scale": scales.to(f.scale_dtype)}
-    if tensor_scale is not None:
-        out["weight_global_scale"] = tensor_scale
-    return out
-
-
-def _tensor_scale(
-    weight: torch.Tensor, fmt: FP4Format, given: torch.Tensor | None
-) -> torch.Tensor | None:
-    """The NVFP4 global scale to use (the given fused one, or the weight's own); None for MX."""
-    if not fmt.has_global_scale:
-        return None
-    if given is not None:
-        return given.to(torch.float32).reshape(1)
-    return global_scale(weight)
-
-
-def decompress(
-    tensors: dict[str, torch.Tensor], fmt: str | FP4Format, dtype: torch.dtype = torch.bfloat16
-) -> torch.Tensor:
-    """Inverse of :func:`compress`: the dequantized (out, in) weight in ``dtype``."""
-    f = get_format(fmt)
-    missing = [k for k in ("weight_packed", "weight_scale") if k not in tensors]
-    if f.has_global_scale and "weight_global_scale" not in tensors:
-        missing.append("weight_global_scale")
-    if missing:
-        raise FormatError(f"{f.name.upper()} tensors lack {', '.join(missing)}")
-    codes = unpack_codes(tensors["weight_packed"])
-    return dequantize_codes(
-        codes, tensors["weight_scale"], f, tensors.get("weight_global_scale"), dtype
-    )
-
-
-def quantize_dequantize(
-    weight: torch.Tensor,
-    fmt: str | FP4Format,
-    global_scale: torch.Tensor | None = None,
-    scales: torch.Tensor | None = None,
-    name: str = "weight",
-) -> torch.Tensor:
-    """Fake-quantize ``weight`` (same shape and dtype): what a served checkpoint computes with."""
-    return decompress(compress(weight, fmt, global_scale, scales, name), fmt, weight.dtype)
-
-
-def quantize_dequantize_activations(
-    x: torch.Tensor, fmt: str | FP4Format = "mxfp4"
-) -> torch.Tensor:
-    """Dynamic MXFP4 fake quantization of activations along the last dimension.
-
-    Each block of 32 gets the E8M0 scale of its amax (the same rule as the weights), as
-    compressed-tensors' dynamic MXFP4 input quantization and vLLM's W4A4 MXFP4 compute it.
-    """
-    f = get_format(fmt)
-    if f.has_global_scale:
-        raise FormatError("dynamic activation fake quantization here is for MXFP4 only")
-    flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[-1] % f.block_size:
-        raise FormatError(
-            f"activation dimension {flat.shape[-1]} is not divisible by the MXFP4 block "
-            f"size {f.block_size}"
-        )
-    scales = amax_block_scales(flat, f)
-    codes = quantize_to_codes(flat, scales, f)
-    return dequantize_codes(codes, scales, f, dtype=x.dtype).reshape(x.shape)
+        module = fp4 if _MOVED[name] == "fp4" else e2m1
+        warnings.warn(f"fp4sense.formats.{name} moved to {module.__name__}.{name}; the "
+                      "alias goes in 0.5", DeprecationWarning, stacklevel=2)
+        return getattr(module, name)
+    raise AttributeError(f"module 'fp4sense.formats' has no attribute {name!r}")

@@ -137,7 +137,7 @@ def effective_bits(folder) -> dict:
             continue  # norms and other 1-D weights
         linears += 1
         weights += n
-        stored += sum(e["data_offsets"][1] - e["data_offsets"][0] for e in parts.values())
+        stored += sum(e["nbytes"] for e in parts.values())
     if not weights:
         raise ValueError(f"{folder}: no linear weights found in the checkpoint")
     return {"bits": stored * 8 / weights, "bytes": stored, "weights": weights,

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+from compressed_tensors.utils.match import match_name
 
 from fp4sense import __version__
 from fp4sense.schemes import bits_per_weight, get_scheme, to_quantization_scheme
@@ -87,7 +88,7 @@ class Plan:
         """scheme -> compressed-tensors targets (one regex per unit kind) for its units."""
         by: dict[str, dict[str, list[str]]] = {}
         for c in self.choices:
-            if get_scheme(c.scheme).preset is None:
+            if not get_scheme(c.scheme).quantizes:
                 continue
             block, _, kind = c.unit.partition(":")
             by.setdefault(c.scheme, {}).setdefault(kind, []).append(block)
@@ -145,8 +146,8 @@ def _pin_matches(pattern: str, unit: Unit) -> bool:
     name, or compressed-tensors' ``re:`` form (matched from the start)."""
     if pattern == unit.name:
         return True
-    if pattern.startswith("re:"):
-        return any(re.match(pattern[3:], m) for m in unit.modules)
+    if pattern.startswith("re:"):  # compressed-tensors' own target form, its own matcher
+        return any(match_name(m, pattern) for m in unit.modules)
     return any(re.fullmatch(pattern, m) for m in unit.modules)
 
 
@@ -165,7 +166,7 @@ def plan_cost(units: UnitMap, menu: Sequence[str]) -> tuple[float, float]:
     lo = hi = 0.0
     total = 0
     for u in units.units:
-        options = [unit_bits(u, s) for s in menu if u.feasible(s) is None] or [16.0]
+        options = [unit_bits(u, s) for s in menu if u.why_infeasible(s) is None] or [16.0]
         lo += min(options) * u.numel
         hi += max(options) * u.numel
         total += u.numel
@@ -212,12 +213,12 @@ def solve(
         allowed = [forced] if forced else menu
         row = []
         for s in allowed:
-            why = u.feasible(s)
+            why = u.why_infeasible(s)
             if why:
                 if forced:
                     raise PlanError(f"unit {u.name} is pinned to {s}, but {why}")
                 continue
-            d = 0.0 if get_scheme(s).preset is None else damage[s].get(u.name)
+            d = damage[s].get(u.name) if get_scheme(s).quantizes else 0.0
             if d is None:
                 raise PlanError(f"the sensitivity report has no {s} score for unit {u.name}; "
                                 f"analyze with --views grid and --schemes including {s}")
@@ -281,7 +282,7 @@ def _range(options, units) -> tuple[float, float]:
 def _report_damage(report: SensitivityReport, menu: Sequence[str], mode: str | None
                    ) -> tuple[dict[str, dict[str, float]], str]:
     names = {u.name for u in report.units.units}
-    quantized = [s for s in menu if get_scheme(s).preset is not None]
+    quantized = [s for s in menu if get_scheme(s).quantizes]
     missing = [s for s in quantized if s not in report.schemes]
     if missing:
         raise PlanError(f"the sensitivity report covers {', '.join(report.schemes)}, not "

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fp4sense.schemes import get_scheme
 from fp4sense.sensitivity import Entry, SensitivityReport
 
 __all__ = ["plot_blocks", "plot_components", "plot_grid", "write_analysis"]
@@ -419,7 +420,7 @@ def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str
         is certain, :func:`fp4sense.lineage.hub_id_of`); it becomes ``base_model`` with
         ``base_model_relation: quantized``. Without one the card says how to add it.
     """
-    import yaml
+    from huggingface_hub import ModelCard, ModelCardData
 
     from fp4sense.lineage import hub_id_of
 
@@ -441,7 +442,7 @@ def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str
     base_name = hub_id or Path(source).name
     by_scheme = plan.schemes()
     lines = [
-        "---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", "",
+        "---", ModelCardData(**meta).to_yaml(), "---", "",
         f"# {base_name}, FP4 mixed precision ({plan.bits:.2f} bits per weight)", "",
         f"Quantized with [fp4sense](https://pypi.org/project/fp4sense/) "
         f"{plan.fp4sense_version} and llm-compressor: each unit of the decoder (a fused "
@@ -452,8 +453,8 @@ def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str
                                             else ""),
         "lm_head and the embeddings are not quantized. The checkpoint is a standard "
         "compressed-tensors checkpoint (`" + ("mixed-precision" if len(
-            [s for s in used if s != "BF16"]) > 1 else "single-format") + "`); loading it "
-        "needs no fp4sense code.", "",
+            [s for s in used if get_scheme(s).quantizes]) > 1 else "single-format")
+        + "`); loading it needs no fp4sense code.", "",
         *[f"> {n}" for n in notes], "",
         *([] if hub_id else [
             f"The base model's Hub id is not known (it was quantized from a local folder, "
@@ -491,7 +492,7 @@ def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str
               f"oneshot(model=\"{hub_id or '<base model>'}\", recipe=\"recipe.yaml\", dataset=...)",
               "```", ""]
     path = folder / "README.md"
-    path.write_text("\n".join(lines))
+    ModelCard("\n".join(lines)).save(path)
     return path
 
 

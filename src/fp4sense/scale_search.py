@@ -17,41 +17,24 @@ from __future__ import annotations
 
 import torch
 
-from fp4sense.formats import (
-    FP4Format,
-    amax_block_scales,
-    dequantize_codes,
-    get_format,
-    quantize_to_codes,
-)
+from fp4sense.formats import FP4Format, amax_block_scales, get_format
+from fp4sense.fp4 import dequantize_codes, quantize_to_codes
 
-__all__ = ["DEFAULT_STEPS", "block_errors", "candidate_offsets", "search_block_scales"]
-
-#: candidate offsets around the amax scale, in steps of the scale format:
-#: E4M3 steps are 2^(1/8) apart, so -6..+6 spans about 0.6x..1.7x of the amax scale
-#: (wider ranges than amax help FP4, see "four over six"); E8M0 steps are factors of 2.
-DEFAULT_STEPS: dict[str, tuple[int, int]] = {"nvfp4": (-6, 6), "mxfp4": (-1, 1)}
-#: largest finite positive E4M3 code (0x7E = 448); 0x7F is NaN
-_E4M3_MAX_CODE = 0x7E
-_E8M0_MAX_CODE = 254  # 255 is reserved for NaN in the OCP MX spec
+__all__ = ["block_errors", "candidate_offsets", "search_block_scales"]
 
 
 def candidate_offsets(fmt: str | FP4Format, steps: tuple[int, int] | None = None) -> list[int]:
-    """Offsets to try, amax (0) first so ties keep the amax scale."""
+    """Offsets to try, amax (0) first so ties keep the amax scale; default: the format's
+    ``search_steps`` (wider than amax helps FP4, see "four over six")."""
     f = get_format(fmt)
-    low, high = steps or DEFAULT_STEPS[f.name]
+    low, high = steps or f.search_steps
     return [0] + [d for d in range(low, high + 1) if d != 0]
 
 
 def _shift(scales: torch.Tensor, fmt: FP4Format, offset: int) -> torch.Tensor:
     """Move each stored scale ``offset`` representable steps (saturating, never zero)."""
-    if fmt.name == "nvfp4":
-        # positive E4M3 bit patterns are ordered like their values
-        codes = scales.view(torch.uint8).to(torch.int16) + offset
-        codes = codes.clamp(1, _E4M3_MAX_CODE).to(torch.uint8)
-        return codes.view(torch.float8_e4m3fn)
-    codes = scales.to(torch.int16) + offset
-    return codes.clamp(0, _E8M0_MAX_CODE).to(torch.uint8)
+    codes = fmt.scale_codes(scales).to(torch.int16) + offset
+    return fmt.scales_from_codes(codes.clamp(fmt.min_scale_code, fmt.max_scale_code))
 
 
 def block_errors(
@@ -87,7 +70,7 @@ def search_block_scales(
     :param weight: (out, in) weight in its own dtype
     :param global_scale: NVFP4's (fused) global scale; required for NVFP4
     :param importance: optional (in,) non-negative per-input-channel weights (E[x^2])
-    :param steps: (low, high) candidate offsets in scale steps; see DEFAULT_STEPS
+    :param steps: (low, high) candidate offsets in scale steps (default: the format's search_steps)
     """
     f = get_format(fmt)
     if importance is not None:
@@ -109,10 +92,6 @@ def search_block_scales(
             continue
         better = err < best_err
         best_err = torch.where(better, err, best_err)
-        if f.name == "nvfp4":
-            best = torch.where(better, cand.view(torch.uint8), best.view(torch.uint8)).view(
-                torch.float8_e4m3fn
-            )
-        else:
-            best = torch.where(better, cand, best)
+        best = f.scales_from_codes(torch.where(better, f.scale_codes(cand),
+                                               f.scale_codes(best)))
     return best

@@ -56,6 +56,11 @@ class Scheme:
     description: str = ""
 
     @property
+    def quantizes(self) -> bool:
+        """Whether this scheme changes a unit at all (BF16 leaves it alone)."""
+        return self.weight_format is not None
+
+    @property
     def is_fp4(self) -> bool:
         return self.weight_format in ("nvfp4", "mxfp4")
 
@@ -114,7 +119,7 @@ def to_quantization_scheme(name: str | Scheme, targets: list[str]):
     from compressed_tensors.quantization import QuantizationScheme
 
     scheme = get_scheme(name)
-    if scheme.preset is None:
+    if not scheme.quantizes:
         return None
     return QuantizationScheme(targets=targets, **_preset_args(scheme))
 
@@ -128,7 +133,7 @@ def register_presets() -> list[str]:
 
     added = []
     for scheme in MENU.values():
-        if scheme.preset is None or scheme.name in PRESET_SCHEMES:
+        if not scheme.quantizes or scheme.name in PRESET_SCHEMES:
             continue
         PRESET_SCHEMES[scheme.name] = _preset_args(scheme)
         added.append(scheme.name)

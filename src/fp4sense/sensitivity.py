@@ -27,6 +27,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from scipy import stats
 from tqdm.auto import tqdm
 
 from fp4sense import __version__
@@ -51,7 +53,6 @@ __all__ = [
     "SensitivityReport",
     "analyze",
     "check_request",
-    "spearman",
 ]
 
 #: Version of the sensitivity.json layout (bump when a field changes meaning).
@@ -189,26 +190,6 @@ KL_ROUNDING = 1e-6
 
 
 # --- statistics -----------------------------------------------------------------------
-def spearman(a: Sequence[float], b: Sequence[float]) -> float:
-    """Spearman rank correlation (average ranks for ties)."""
-    def ranks(x):
-        x = np.asarray(x, dtype=np.float64)
-        order = x.argsort(kind="mergesort")
-        r = np.empty(len(x))
-        r[order] = np.arange(len(x))
-        for v in np.unique(x):  # average tied ranks
-            idx = x == v
-            r[idx] = r[idx].mean()
-        return r
-
-    if len(a) < 3:
-        return float("nan")
-    ra, rb = ranks(a), ranks(b)
-    if ra.std() == 0 or rb.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(ra, rb)[0, 1])
-
-
 def _mean_se(values: list[float]) -> tuple[float, float]:
     v = np.asarray(values, dtype=np.float64)
     se = float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else float("nan")
@@ -590,7 +571,8 @@ class _Analysis:
             self.base_pass()  # input maxima for NVFP4 activations
         linears = self.units.linears()
         unit_of = {m: u for u in self.units.units for m in u.modules}
-        feasible = {(m, s) for m in linears for s in schemes if unit_of[m].feasible(s) is None}
+        feasible = {(m, s) for m in linears for s in schemes
+                    if unit_of[m].why_infeasible(s) is None}
         scores: dict[tuple[str, str], list[float]] = {k: [] for k in feasible}
         acts = {(m, s): activation_quantizer(s, self.stats[m]["absmax"])
                 for m, s in feasible}
@@ -707,8 +689,10 @@ def check_request(schemes: Sequence[str], views: Sequence[str], modes: Sequence[
     for m in modes:
         if m not in MODES:
             raise ValueError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
-    if "BF16" in names:
-        raise ValueError("BF16 leaves a unit alone: its damage is zero; drop it from --schemes")
+    idle = [n for n in names if not get_scheme(n).quantizes]
+    if idle:
+        raise ValueError(f"{idle[0]} leaves a unit alone: its damage is zero; drop it from "
+                         "--schemes")
     return names
 
 
@@ -765,8 +749,8 @@ def analyze(
 def _run_views(run: _Analysis, model, windows, units, cache, schemes, views, modes,
                grid_blocks, text, context, fingerprint, key, t0) -> SensitivityReport:
 
-    skipped = [{"unit": u.name, "scheme": s, "reason": u.feasible(s)}
-               for u in units.units for s in schemes if u.feasible(s)]
+    skipped = [{"unit": u.name, "scheme": s, "reason": u.why_infeasible(s)}
+               for u in units.units for s in schemes if u.why_infeasible(s)]
     entries: list[Entry] = []
     view_parts = [p for v in views for p in _VIEW_PARTS[v]]
     cost = {"measured_block_forwards": 0, "naive_block_forwards": 0, "cached_entries": 0,
@@ -778,7 +762,7 @@ def _run_views(run: _Analysis, model, windows, units, cache, schemes, views, mod
             for part in view_parts:
                 for target, members in _targets(part, units, grid_blocks):
                     pert = {m: (u, scheme) for u, mods in members for m in mods
-                            if u.feasible(scheme) is None}
+                            if u.why_infeasible(scheme) is None}
                     if pert:
                         jobs.append((part, scheme, target, pert))
         t = time.perf_counter()
@@ -794,7 +778,7 @@ def _run_views(run: _Analysis, model, windows, units, cache, schemes, views, mod
                 # blocks before b compute what they compute in the fully quantized model
                 b = int(target)
                 everything = {m: (u, scheme) for u in units.units for m in u.modules
-                              if u.feasible(scheme) is None}
+                              if u.why_infeasible(scheme) is None}
                 source, _ = run.quantized_outputs(scheme, everything)
                 result = run.measure(pert, start=b, source=source)
                 cache.put(k, result)
@@ -822,7 +806,7 @@ def _run_views(run: _Analysis, model, windows, units, cache, schemes, views, mod
         if context:
             by_name = units.by_name()
             pert = {m: (by_name[u], s) for u, s in sorted(context.items())
-                    if get_scheme(s).preset is not None for m in by_name[u].modules}
+                    if get_scheme(s).quantizes for m in by_name[u].modules}
             k += "|context=" + hashlib.sha256(json.dumps(sorted(context.items())).encode()
                                               ).hexdigest()[:12]
         hit = cache.get(k)
@@ -875,6 +859,9 @@ def correlations(report: SensitivityReport) -> list[dict]:
         estimated = report.table(view, scheme, "estimated")
         common = sorted(set(measured) & set(estimated))
         if len(common) >= 3:
-            rho = spearman([measured[t].kl for t in common], [estimated[t].kl for t in common])
+            with warnings.catch_warnings():  # constant input: rho is undefined (nan)
+                warnings.simplefilter("ignore", stats.ConstantInputWarning)
+                rho = float(stats.spearmanr([measured[t].kl for t in common],
+                                            [estimated[t].kl for t in common]).statistic)
             out.append({"view": view, "scheme": scheme, "n": len(common), "spearman": rho})
     return out

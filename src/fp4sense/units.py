@@ -51,7 +51,7 @@ class Unit:
     def fused(self) -> bool:
         return len(self.modules) > 1
 
-    def feasible(self, scheme: str) -> str | None:
+    def why_infeasible(self, scheme: str) -> str | None:
         """Why ``scheme`` cannot take this unit, or None when it can."""
         need = get_scheme(scheme).block_size
         if need and self.in_features % need:

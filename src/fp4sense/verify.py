@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
-import struct
 import subprocess
 import sys
 import tempfile
@@ -28,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from compressed_tensors.utils.match import match_name
 
 __all__ = [
     "CheckpointError",
@@ -66,7 +65,6 @@ _STORED = {
         "weight_scale": (("BF16", "F16", "F32"), lambda o, i: [o, 1]),
     },
 }
-SAFETENSORS_HEADER_BYTES = 8
 
 
 class CheckpointError(ValueError):
@@ -124,32 +122,30 @@ class VerifyResult:
 
 
 # --- checkpoint checks ---------------------------------------------------------------
-def _safetensors_header(path: Path) -> dict:
-    """Parse a safetensors header and check that the file holds every byte it promises."""
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        raw = fh.read(SAFETENSORS_HEADER_BYTES)
-        if len(raw) < SAFETENSORS_HEADER_BYTES:
-            raise CheckpointError(f"{path}: truncated safetensors file (no header)")
-        (header_len,) = struct.unpack("<Q", raw)
-        if header_len > size:
-            raise CheckpointError(f"{path}: corrupt safetensors header (length {header_len})")
-        try:
-            header = json.loads(fh.read(header_len))
-        except ValueError as exc:
-            raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from None
-    header.pop("__metadata__", None)
-    end = max((t["data_offsets"][1] for t in header.values()), default=0)
-    if SAFETENSORS_HEADER_BYTES + header_len + end > size:
-        raise CheckpointError(
-            f"{path}: truncated safetensors file ({size:,} bytes, the header needs "
-            f"{SAFETENSORS_HEADER_BYTES + header_len + end:,}); re-copy or re-create it"
-        )
-    return header
+def _stored_tensors(path: Path) -> dict[str, dict]:
+    """name -> {dtype, shape, nbytes} of one safetensors file, read with safetensors'
+    own reader (which also refuses a file that does not hold every byte it declares)."""
+    from safetensors import SafetensorError, safe_open
+
+    out = {}
+    try:
+        with safe_open(path, framework="pt") as fh:
+            for key in fh.keys():
+                part = fh.get_slice(key)
+                shape = list(part.get_shape())
+                # an empty slice has the tensor's element size without reading its data
+                size = (part[0:0] if shape else fh.get_tensor(key)).element_size()
+                out[key] = {"dtype": part.get_dtype(), "shape": shape,
+                            "nbytes": math.prod(shape) * size}
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({exc}); "
+                              "re-copy or re-create it") from None
+    return out
 
 
 def tensor_index(folder: Path) -> dict[str, dict]:
-    """tensor name -> header entry, over every weight file the folder declares."""
+    """tensor name -> {dtype, shape, nbytes, file}, over every weight file the folder
+    declares (headers only: no weights are loaded)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -164,19 +160,13 @@ def tensor_index(folder: Path) -> dict[str, dict]:
         path = folder / name
         if not path.is_file():
             raise CheckpointError(f"{folder}: weight file {name} listed in the index is missing")
-        for key, entry in _safetensors_header(path).items():
+        for key, entry in _stored_tensors(path).items():
             tensors[key] = {**entry, "file": name}
     if weight_map is not None:
         missing = [k for k in weight_map if k not in tensors]
         if missing:
             raise CheckpointError(f"{folder}: index lists tensors not in any file: {missing[:3]}")
     return tensors
-
-
-def _matches(target: str, module: str) -> bool:
-    if target.startswith("re:"):
-        return re.match(target[3:], module) is not None
-    return module == target or module.endswith("." + target)
 
 
 def check_checkpoint(folder: str | os.PathLike) -> dict:
@@ -208,8 +198,8 @@ def check_checkpoint(folder: str | os.PathLike) -> dict:
         # class-name targets (e.g. "Linear") cannot be resolved without the model: names
         # and regexes must match a module that the checkpoint stores
         named = [t for t in targets if t.startswith("re:") or "." in t]
-        if named and not any(_matches(t, m) for t in named for m in modules
-                             if not any(_matches(i, m) for i in ignore)):
+        if named and not any(match_name(m, t) for t in named for m in modules
+                             if not any(match_name(m, i) for i in ignore)):
             raise CheckpointError(
                 f"{config_path}: config group {group_name!r} targets {named} but names no "
                 "module stored in the checkpoint"

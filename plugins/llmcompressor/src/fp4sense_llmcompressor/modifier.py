@@ -33,6 +33,7 @@ from llmcompressor.modifiers.quantization import QuantizationModifier
 from pydantic import PrivateAttr
 
 from fp4sense.planner import DEFAULT_MENU, Plan, PlanError, solve
+from fp4sense.schemes import get_scheme
 from fp4sense.sensitivity import SensitivityReport, analyze
 from fp4sense.units import model_fingerprint
 
@@ -103,7 +104,7 @@ class SensitivityGuidedModifier(QuantizationModifier):
             return SensitivityReport.load(Path(self.sensitivity),
                                           model_fingerprint=model_fingerprint(model))
         windows = _calibration_windows(state, self.analysis_windows)
-        quantized = [s for s in self.menu if s.upper() != "BF16"]
+        quantized = [s for s in self.menu if get_scheme(s).quantizes]
         return analyze(model, windows, schemes=quantized, views=["grid"],
                        modes=["estimated"], cache_dir=None, log=lambda msg: None)
 

@@ -39,7 +39,7 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import 
 )
 from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp4Dynamic
 
-from fp4sense import formats
+from fp4sense import e2m1, formats, fp4
 
 __all__ = ["CpuMxFp4EmulationKernel", "CpuNvFp4EmulationKernel", "CpuNvFp4W4A16Kernel"]
 
@@ -106,12 +106,12 @@ class CpuMxFp4EmulationKernel(MxFp4LinearKernel):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         dtype = getattr(layer, "params_dtype", None) or torch.get_default_dtype()
-        codes = formats.unpack_codes(layer.weight.data.view(torch.uint8))
-        weight = formats.dequantize_codes(codes, layer.weight_scale.data, "mxfp4", dtype=dtype)
+        codes = e2m1.unpack_codes(layer.weight.data.view(torch.uint8))
+        weight = fp4.dequantize_codes(codes, layer.weight_scale.data, "mxfp4", dtype=dtype)
         layer.weight = Parameter(weight.contiguous(), requires_grad=False)
 
     def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.config.activation_quant_key is not None:
-            x = formats.quantize_dequantize_activations(x, "mxfp4")
+            x = fp4.quantize_dequantize_activations(x, "mxfp4")
         return F.linear(x, layer.weight.to(x.dtype), bias)
