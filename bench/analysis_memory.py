@@ -22,7 +22,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def main() -> int:
     from fp4sense.api import analysis_windows, load_model
-    from fp4sense.sensitivity import _Analysis, _Cache, _targets, analyze
+    from fp4sense.diagnosis.cache import EntryCache
+    from fp4sense.diagnosis.engine import Analysis
+    from fp4sense.diagnosis.views import REPORT_VIEWS
+    from fp4sense.sensitivity import analyze
     from fp4sense.units import find_units
 
     t = time.perf_counter()
@@ -32,9 +35,9 @@ def main() -> int:
             modes=["measured", "estimated"], cache_dir=None, progress=False,
             log=lambda m: None)
     units = find_units(model)
-    run = _Analysis(model, windows, units, _Cache(None), progress=False)
+    run = Analysis(model, windows, units, EntryCache(None), progress=False)
     for scheme in ("NVFP4", "MXFP4"):  # whole model + its replayable outputs
-        (_, members), = _targets("model", units, None)
+        (_, members), = REPORT_VIEWS["model"].targets(units, None)
         run.quantized_outputs(scheme, {m: (u, scheme) for u, mods in members for m in mods})
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     out = {"command": "python bench/analysis_memory.py", "peak_rss_gib": round(peak, 3),

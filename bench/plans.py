@@ -95,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from fp4sense.api import BUNDLED_MODEL_NOTE, analysis_windows, load_model
     from fp4sense.data import protocol_windows
+    from fp4sense.diagnosis.cache import EntryCache
+    from fp4sense.diagnosis.engine import Analysis
     from fp4sense.planner import plan_cost, solve, unit_bits
-    from fp4sense.sensitivity import _Analysis, _Cache, analyze
+    from fp4sense.sensitivity import analyze
 
     if args.fresh and args.cache.exists():
         shutil.rmtree(args.cache)
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     units = est.units
     mse = weight_mse(model, units, schemes)
 
-    evaluator = _Analysis(model, evalw, units, _Cache(None), progress=False)
+    evaluator = Analysis(model, evalw, units, EntryCache(None), progress=False)
     evaluator.base_pass()
     evaluator.stats = est.activation_stats  # NVFP4 input scales from calibration text
     by_name = units.by_name()

@@ -183,15 +183,15 @@ def test_dead_partial_folders_are_removed_live_or_unknown_ones_named(tiny_llama,
 
 
 def test_torn_cache_line_loses_no_later_entry(tmp_path):
-    from fp4sense.sensitivity import _Cache
+    from fp4sense.diagnosis.cache import EntryCache
 
     path = tmp_path / "c.jsonl"
-    cache = _Cache(path)
+    cache = EntryCache(path)
     cache.put("a", {"v": 1})
     with path.open("a") as fh:
         fh.write('{"key": "b", "v"')  # a run killed mid-write
-    _Cache(path).put("c", {"v": 3})
-    again = _Cache(path)
+    EntryCache(path).put("c", {"v": 3})
+    again = EntryCache(path)
     assert again.get("a") == {"key": "a", "v": 1} and again.get("c") == {"key": "c", "v": 3}
     assert again.get("b") is None
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from conftest import FP4SENSE
+from fp4sense.diagnosis.cache import EntryCache
+from fp4sense.diagnosis.engine import Analysis
 from fp4sense.sensitivity import (
     Entry,
     ReportError,
     SensitivityReport,
-    _Analysis,
-    _Cache,
     analyze,
     correlations,
 )
@@ -155,7 +155,7 @@ def test_units_a_format_cannot_take_are_left_out_and_named():
 # --- measured: the replay shortcut changes nothing ------------------------------------
 def test_replayed_blocks_give_the_same_numbers_as_full_runs(tiny):
     units = find_units(tiny)
-    run = _Analysis(tiny, _random_windows(), units, _Cache(None), progress=False)
+    run = Analysis(tiny, _random_windows(), units, EntryCache(None), progress=False)
     unit = units.by_name()["1:mlp.gate_proj+up_proj"]
     pert = {m: (unit, "NVFP4") for m in unit.modules}
     fast = run.measure(pert)  # blocks < 1 replayed
@@ -168,7 +168,7 @@ def test_replayed_blocks_give_the_same_numbers_as_full_runs(tiny):
 
 def test_protect_from_the_quantized_outputs_equals_a_full_run(tiny):
     units = find_units(tiny)
-    run = _Analysis(tiny, _random_windows(), units, _Cache(None), progress=False)
+    run = Analysis(tiny, _random_windows(), units, EntryCache(None), progress=False)
     everything = {m: (u, "MXFP4") for u in units.units for m in u.modules}
     protect_1 = {m: v for m, v in everything.items() if v[0].block != 1}
     source, whole = run.quantized_outputs("MXFP4", everything)
@@ -269,7 +269,7 @@ def test_interrupted_analysis_resumes_where_it_stopped(tiny, tmp_path, monkeypat
     kw = dict(schemes=["NVFP4"], views=["block"], cache_dir=tmp_path, progress=False,
               log=lambda m: None)
     calls = {"n": 0}
-    real = _Analysis.measure
+    real = Analysis.measure
 
     def dies_after_three(self, *args, **kwargs):
         calls["n"] += 1
@@ -277,10 +277,10 @@ def test_interrupted_analysis_resumes_where_it_stopped(tiny, tmp_path, monkeypat
             raise KeyboardInterrupt
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(_Analysis, "measure", dies_after_three)
+    monkeypatch.setattr(Analysis, "measure", dies_after_three)
     with pytest.raises(KeyboardInterrupt):
         analyze(tiny, windows, **kw)
-    monkeypatch.setattr(_Analysis, "measure", real)
+    monkeypatch.setattr(Analysis, "measure", real)
     resumed = analyze(tiny, windows, **kw)
     # model (1 + capture), isolate 0 and 1 ran before the interruption
     assert resumed.cost["cached_entries"] == 3
@@ -336,7 +336,6 @@ def test_cli_bad_input_is_one_clear_line(tiny_llama, tmp_path):
 def test_offloaded_analysis_equals_in_memory_and_holds_one_block(tiny, tmp_path):
     """With offload_dir only the running block's weights are in memory; the numbers are
     the in-memory ones, and the model gets its weights back."""
-    from fp4sense import sensitivity
 
     windows = _random_windows(2, 32)
     kw = dict(schemes=["NVFP4", "FP8_DYNAMIC"], views=["component", "block", "grid"],
@@ -346,7 +345,7 @@ def test_offloaded_analysis_equals_in_memory_and_holds_one_block(tiny, tmp_path)
     in_memory = analyze(tiny, windows, **kw)
 
     resident = []
-    real_measure = sensitivity._Analysis.measure
+    real_measure = Analysis.measure
 
     def watching(self, *args, **kwargs):
         out = real_measure(self, *args, **kwargs)
@@ -354,11 +353,11 @@ def test_offloaded_analysis_equals_in_memory_and_holds_one_block(tiny, tmp_path)
         resident.append(sum(p.numel() for p in self.blocks.parameters()))
         return out
 
-    sensitivity._Analysis.measure = watching
+    Analysis.measure = watching
     try:
         offloaded = analyze(tiny, windows, offload_dir=tmp_path / "blocks", **kw)
     finally:
-        sensitivity._Analysis.measure = real_measure
+        Analysis.measure = real_measure
     assert resident and max(resident) == 0
     assert (tmp_path / "blocks" / "block_1.safetensors").is_file()
     a = {e.key: e for e in in_memory.entries}
@@ -368,3 +367,29 @@ def test_offloaded_analysis_equals_in_memory_and_holds_one_block(tiny, tmp_path)
         assert b[key].kl == pytest.approx(a[key].kl, rel=1e-5, abs=1e-9), key
     after = tiny.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_new_view_is_one_registration(tiny):
+    """A view registered with its targets is computed when --views names its option, in
+    both modes, without touching the engine."""
+    from fp4sense.diagnosis.views import REPORT_VIEWS, register_view, view_options
+
+    @register_view("first_block", "first")
+    def first_block(units, blocks):
+        return [("0", [(u, u.modules) for u in units.of_block(0)])]
+
+    try:
+        assert "first" in view_options()
+        report = analyze(tiny, _random_windows(2, 32), schemes=["NVFP4"], views=["first"],
+                         modes=["measured", "estimated"], cache_dir=None, progress=False,
+                         log=lambda m: None)
+        got = {(e.view, e.target, e.mode) for e in report.entries if e.view != "grid"}
+        assert got == {("first_block", "0", "measured"), ("first_block", "0", "estimated")}
+        # the same perturbation as the built-in view isolating block 0
+        iso = analyze(tiny, _random_windows(2, 32), schemes=["NVFP4"], views=["block"],
+                      modes=["measured"], cache_dir=None, progress=False, log=lambda m: None)
+        assert report.table("first_block", "NVFP4")["0"].kl == \
+            iso.table("block_isolate", "NVFP4")["0"].kl
+    finally:
+        REPORT_VIEWS.pop("first_block")
+    assert "first" not in view_options()

@@ -1,0 +1,348 @@
+"""The analysis engine: the unquantized model's block outputs replayed under each
+perturbation (measured), and one forward + backward per window scoring every linear
+(estimated). Views decide what to perturb (:mod:`fp4sense.diagnosis.views`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from fp4sense.diagnosis.cache import EntryCache
+from fp4sense.diagnosis.offload import BlockStore, Originals
+from fp4sense.diagnosis.stats import mean_se
+from fp4sense.fakequant import activation_quantizer, quantize_weights
+from fp4sense.metrics import window_metrics
+from fp4sense.units import Unit, UnitMap
+
+__all__ = ["Analysis", "Perturbation"]
+
+Perturbation = dict[str, tuple[Unit, str]]  # linear name -> (its unit, scheme)
+#: Memory for fake-quantized weights kept between perturbations.
+WEIGHT_CACHE_BYTES = 1024 * 2**20
+#: Memory for the base model's log-probs; beyond it they are recomputed from the cached
+#: last block output (only the head runs) when needed.
+BASE_LOGPROB_BYTES = 1024 * 2**20
+
+
+class Analysis:
+    """Holds the model, the windows, the block-output cache and the entry cache."""
+
+    def __init__(self, model, windows: torch.Tensor, units: UnitMap, cache: EntryCache,
+                 progress: bool, offload_dir: Path | None = None):
+        self.model = model
+        self.windows = windows
+        self.units = units
+        self.cache = cache
+        self.progress = progress
+        self.blocks = model.get_submodule(units.blocks_path)
+        self.modules = dict(model.named_modules())
+        self.block_out: list[list] = []  # [block][window] -> the block's base output
+        self.base_lp: list[torch.Tensor] = []
+        self.stats: dict[str, dict] | None = None
+        self.base_ppl_value = float("nan")
+        self.block_forwards = 0
+        # the unquantized weights (perturbations swap .data and put these back)
+        if offload_dir is None:
+            self.store = None
+            self.original = {m: self.modules[m].weight.data for m in units.linears()}
+        else:
+            self.store = BlockStore(model, units.blocks_path, offload_dir)
+            self.original = Originals(self.modules, self.store)
+        self.qweights: dict[tuple[Unit, str], list[torch.Tensor]] = {}
+        self.qweight_bytes = 0
+        self.quant_out: tuple[str, list[list], dict] | None = None
+
+    def quantized(self, unit: Unit, scheme: str) -> list[torch.Tensor]:
+        """The unit's fake-quantized weights (kept while under WEIGHT_CACHE_BYTES)."""
+        kept = self.qweights.get((unit, scheme))
+        if kept is not None:
+            return [w.to(self.original[m].dtype) for w, m in zip(kept, unit.modules,
+                                                                  strict=True)]
+        ws = quantize_weights(scheme, [self.original[m] for m in unit.modules])
+        # quantized in bf16, so bf16 keeps them exactly at half the memory of float32
+        compact = [w.to(torch.bfloat16) for w in ws]
+        if all(torch.equal(c.to(w.dtype), w) for c, w in zip(compact, ws, strict=True)):
+            ws_kept = compact
+        else:  # pragma: no cover - a model whose weights are not bf16-derived
+            ws_kept = ws
+        size = sum(w.numel() * w.element_size() for w in ws_kept)
+        if self.qweight_bytes + size <= WEIGHT_CACHE_BYTES:
+            self.qweights[(unit, scheme)] = ws_kept
+            self.qweight_bytes += size
+        return ws
+
+    # --- base pass: block outputs, base log-probs, activation statistics ---------------
+    @torch.no_grad()
+    def base_pass(self) -> None:
+        if self.block_out:
+            return
+        n = len(self.windows)
+        self.block_out = [[None] * n for _ in range(self.units.n_blocks)]
+        self.base_lp = []
+        nll: list[float] = []
+        stats = {m: {"absmax": 0.0, "p999": []} for m in self.units.linears()}
+        current = {"i": 0}
+
+        def block_hook(index):
+            def hook(module, args, output):
+                self.block_out[index][current["i"]] = output
+            return hook
+
+        def stat_hook(name):
+            def hook(module, args):
+                x = args[0].detach().abs().float().reshape(-1)
+                s = stats[name]
+                s["absmax"] = max(s["absmax"], float(x.max()))
+                k = max(1, int(round(0.001 * x.numel())))
+                s["p999"].append(float(x.topk(k).values[-1]))
+            return hook
+
+        handles = [b.register_forward_hook(block_hook(i)) for i, b in enumerate(self.blocks)]
+        handles += [self.modules[m].register_forward_pre_hook(stat_hook(m)) for m in stats]
+        try:
+            for i, window in enumerate(tqdm(self.windows, desc="base model", leave=False,
+                                            disable=not self.progress)):
+                current["i"] = i
+                logits = self.model(input_ids=window[None]).logits[0].float()
+                keep = (i + 1) * logits.numel() * 4 <= BASE_LOGPROB_BYTES
+                log_probs = torch.log_softmax(logits, dim=-1)
+                nll.append(-float(log_probs[:-1].gather(-1, window[1:, None]).double().mean()))
+                self.base_lp.append(log_probs if keep else None)
+        finally:
+            for h in handles:
+                h.remove()
+        self.block_forwards += n * self.units.n_blocks
+        self.base_ppl_value = math.exp(float(np.mean(nll)))
+        self.stats = {}
+        for m, s in stats.items():
+            p999 = float(np.mean(s["p999"]))
+            self.stats[m] = {"absmax": s["absmax"], "p999": p999,
+                             "outlier_ratio": s["absmax"] / p999 if p999 > 0 else float("inf")}
+
+    # --- perturbations ------------------------------------------------------------------
+    @contextmanager
+    def applied(self, perturbation: Perturbation):
+        """Fake-quantize the named linears in place (and hook their inputs); undo after."""
+        saved: list[tuple[torch.nn.Linear, torch.Tensor]] = []
+        overridden: list[str] = []
+        handles = []
+        by_unit: dict[tuple[Unit, str], list[str]] = {}
+        for name, (unit, scheme) in perturbation.items():
+            by_unit.setdefault((unit, scheme), []).append(name)
+        try:
+            for (unit, scheme), names in by_unit.items():
+                mods = [self.modules[m] for m in unit.modules]
+                qws = self.quantized(unit, scheme)
+                for name, mod, qw in zip(unit.modules, mods, qws, strict=True):
+                    if name not in names:
+                        continue
+                    if self.store is not None:  # applied when the block is loaded
+                        self.store.overrides[f"{name}.weight"] = qw
+                        overridden.append(f"{name}.weight")
+                    else:
+                        saved.append((mod, mod.weight.data))
+                        mod.weight.data = qw
+                    quantize_input = activation_quantizer(
+                        scheme, self.stats[name]["absmax"] if self.stats else None)
+                    if quantize_input is not None:
+                        handles.append(mod.register_forward_pre_hook(
+                            lambda _m, args, q=quantize_input: (q(args[0]), *args[1:])))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            for mod, w in saved:
+                mod.weight.data = w
+            for key in overridden:
+                self.store.overrides.pop(key, None)
+
+    @contextmanager
+    def replayed(self, start: int, current: dict, source: list[list]):
+        """Blocks before ``start`` return their cached output in ``source`` for window
+        ``current["i"]`` instead of computing it."""
+        patched = []
+        for index in range(start):
+            block = self.blocks[index]
+
+            def lookup(*args, _index=index, **kwargs):
+                return source[_index][current["i"]]
+
+            block.forward = lookup
+            patched.append(block)
+        try:
+            yield
+        finally:
+            for block in patched:
+                del block.forward  # back to the class's forward
+
+    @contextmanager
+    def captured(self, current: dict, into: list[list]):
+        """Record every block's output per window into ``into``."""
+        def hook(index):
+            def record(module, args, output):
+                into[index][current["i"]] = output
+            return record
+
+        handles = [b.register_forward_hook(hook(i)) for i, b in enumerate(self.blocks)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    @torch.no_grad()
+    def measure(self, perturbation: Perturbation, start: int | None = None,
+                source: list[list] | None = None, capture: list[list] | None = None) -> dict:
+        """Metrics of ``perturbation``. Blocks before ``start`` (default: the first
+        perturbed block) replay ``source`` (default: the base model's outputs), which must
+        be what those blocks compute under the perturbation. ``capture`` receives every
+        block's output."""
+        self.base_pass()
+        if start is None:
+            start = min(unit.block for unit, _ in perturbation.values())
+        current = {"i": 0}
+        per: dict[str, list[float]] = {"kl": [], "dnll": [], "agree": [], "nll": [],
+                                       "base_nll": []}
+        with ExitStack() as stack:
+            stack.enter_context(self.applied(perturbation))
+            stack.enter_context(self.replayed(start, current, source or self.block_out))
+            if capture is not None:
+                stack.enter_context(self.captured(current, capture))
+            for i, window in enumerate(self.windows):
+                current["i"] = i
+                logits = self.model(input_ids=window[None]).logits[0].float()
+                m = window_metrics(self.base_logprobs(i), logits, window)
+                per["kl"].append(float(m["kl"].double().mean()))
+                per["nll"].append(float(m["nll"].double().mean()))
+                per["base_nll"].append(float(m["base_nll"].double().mean()))
+                per["dnll"].append(per["nll"][-1] - per["base_nll"][-1])
+                per["agree"].append(float(m["agree"].mean()))
+        forwards = len(self.windows) * (self.units.n_blocks - start)
+        self.block_forwards += forwards
+        kl, kl_se = mean_se(per["kl"])
+        top1, top1_se = mean_se(per["agree"])
+        ppl, base_ppl = math.exp(np.mean(per["nll"])), math.exp(np.mean(per["base_nll"]))
+        _, dnll_se = mean_se(per["dnll"])
+        return {"kl": kl, "kl_se": kl_se, "dppl": ppl - base_ppl, "dppl_se": ppl * dnll_se,
+                "top1": top1, "top1_se": top1_se, "block_forwards": forwards}
+
+    def release_replay(self) -> None:
+        """Drop what measured runs replay (block outputs, base log-probs): the backward
+        pass of the estimate needs the memory more."""
+        self.block_out, self.base_lp, self.quant_out = [], [], None
+
+    def quantized_outputs(self, scheme: str, perturbation: Perturbation) -> tuple[list, dict]:
+        """Block outputs (and metrics) of the whole model quantized with ``scheme``: the
+        blocks before ``b`` compute exactly this when all blocks but ``b`` are quantized."""
+        if self.quant_out is None or self.quant_out[0] != scheme:
+            self.quant_out = None  # free the previous scheme's outputs first
+            outs = [[None] * len(self.windows) for _ in range(self.units.n_blocks)]
+            result = self.measure(perturbation, capture=outs)
+            self.quant_out = (scheme, outs, result)
+        return self.quant_out[1], self.quant_out[2]
+
+    @torch.no_grad()
+    def base_logprobs(self, i: int) -> torch.Tensor:
+        """The base model's log-probs of window ``i`` (stored, or from the cached last
+        block output through the model's head)."""
+        if self.base_lp[i] is not None:
+            return self.base_lp[i]
+        current = {"i": i}
+        with self.replayed(self.units.n_blocks, current, self.block_out):
+            logits = self.model(input_ids=self.windows[i][None]).logits[0].float()
+        return torch.log_softmax(logits, dim=-1)
+
+    def base_ppl(self) -> float:
+        """The unquantized model's perplexity on the windows (from the base pass)."""
+        if self.stats is None:
+            self.base_pass()
+        return self.base_ppl_value
+
+    # --- estimated pass -----------------------------------------------------------------
+    def estimate(self, schemes: Sequence[str], seed: int = 0,
+                 context: Perturbation | None = None) -> dict[tuple[str, str], list]:
+        """(linear, scheme) -> per-window estimated KL contribution; with ``context``,
+        at the model where that perturbation is applied (a plan's other units quantized)."""
+        if self.stats is None:
+            self.base_pass()  # input maxima for NVFP4 activations
+        linears = self.units.linears()
+        unit_of = {m: u for u in self.units.units for m in u.modules}
+        feasible = {(m, s) for m in linears for s in schemes
+                    if unit_of[m].why_infeasible(s) is None}
+        scores: dict[tuple[str, str], list[float]] = {k: [] for k in feasible}
+        acts = {(m, s): activation_quantizer(s, self.stats[m]["absmax"])
+                for m, s in feasible}
+        inputs: dict[str, torch.Tensor] = {}
+        outputs: dict[str, torch.Tensor] = {}
+        window_scores: dict[tuple[str, str], float] = {}
+        norm = {"tokens": 1}
+
+        def quantized_weight(name: str, scheme: str) -> torch.Tensor:
+            unit = unit_of[name]
+            return self.quantized(unit, scheme)[unit.modules.index(name)]
+
+        def fwd_hook(name):
+            def hook(module, args, output):
+                inputs[name] = args[0].detach()
+                outputs[name] = output.detach()
+                if output.requires_grad:
+                    output.register_hook(grad_hook(name, module))
+            return hook
+
+        def grad_hook(name, module):
+            @torch.no_grad()
+            def hook(grad):
+                g2 = grad.float().pow(2)
+                x, y = inputs.pop(name), outputs.pop(name)
+                if context:  # the change is measured from the unquantized linear
+                    y = torch.nn.functional.linear(x, self.original[name], module.bias)
+                for s in schemes:
+                    if (name, s) not in feasible:
+                        continue
+                    act = acts[(name, s)]
+                    xq = act(x) if act is not None else x
+                    dy = torch.nn.functional.linear(xq, quantized_weight(name, s),
+                                                    module.bias) - y
+                    window_scores[(name, s)] = float(
+                        0.5 * (g2 * dy.float().pow(2)).sum() / norm["tokens"])
+            return hook
+
+        embed = self.model.get_input_embeddings()
+        handles = [embed.register_forward_hook(lambda m, a, out: out.requires_grad_(True))]
+        handles += [self.modules[m].register_forward_hook(fwd_hook(m)) for m in linears]
+        gen = torch.Generator().manual_seed(seed)
+        was_training = [p.requires_grad for p in self.model.parameters()]
+        self.model.requires_grad_(False)
+        stack = ExitStack()
+        try:
+            if context:
+                stack.enter_context(self.applied(context))
+            for window in tqdm(self.windows, desc="estimating (forward + backward)",
+                               leave=False, disable=not self.progress):
+                window_scores.clear()
+                with torch.enable_grad():
+                    logits = self.model(input_ids=window[None]).logits[0, :-1].float()
+                    log_probs = torch.log_softmax(logits, dim=-1)
+                    sampled = torch.multinomial(log_probs.detach().exp(), 1, generator=gen)
+                    norm["tokens"] = logits.shape[0]
+                    log_probs.gather(-1, sampled).sum().backward()
+                if self.store is not None:
+                    self.store.release_all()
+                for key in feasible:
+                    scores[key].append(window_scores.get(key, 0.0))
+                inputs.clear()
+                outputs.clear()
+        finally:
+            stack.close()
+            for h in handles:
+                h.remove()
+            for p, flag in zip(self.model.parameters(), was_training, strict=True):
+                p.requires_grad_(flag)
+        self.block_forwards += 2 * len(self.windows) * self.units.n_blocks
+        return scores
