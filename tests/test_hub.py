@@ -18,8 +18,8 @@ from huggingface_hub import ModelCard
 
 from conftest import FP4SENSE
 from fp4sense.hub import PushError, check_folder, validate_model_card
+from fp4sense.model_card import write_model_card
 from fp4sense.planner import Plan
-from fp4sense.report import write_model_card
 
 
 def _push(*args, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -145,8 +145,7 @@ def test_modifier_estimates_from_calibration_data_and_composes_with_gptq(tiny_ll
     from llmcompressor.modifiers.gptq import GPTQModifier
     from transformers import AutoModelForCausalLM
 
-    from fp4sense.metrics import effective_bits
-    from fp4sense.verify import check_checkpoint
+    from fp4sense.checkpoint import check_checkpoint, effective_bits
     from fp4sense_llmcompressor import SensitivityGuidedModifier
     from test_schemes import _calibration
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import FP4SENSE
-from fp4sense.verify import CheckpointError, check_checkpoint
+from fp4sense.checkpoint import CheckpointError, check_checkpoint
 
 
 @pytest.fixture(scope="module")

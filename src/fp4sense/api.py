@@ -169,11 +169,11 @@ def evaluate_checkpoint(
     """
     import json
 
+    from fp4sense.checkpoint import check_checkpoint, checkpoint_tokenizer, effective_bits
     from fp4sense.data import PROTOCOL_EVAL_TEXT, protocol_windows
     from fp4sense.lineage import public_name
-    from fp4sense.metrics import compare_models, effective_bits
+    from fp4sense.metrics import compare_models
     from fp4sense.quantized import load_checkpoint
-    from fp4sense.verify import check_checkpoint, checkpoint_tokenizer
 
     folder = Path(checkpoint)
     check_checkpoint(folder)
@@ -359,7 +359,7 @@ def quantize_model(
             timings["eval_s"] = time.perf_counter() - t
         timings["total_s"] = time.perf_counter() - t0
         result["timings"] = {k: round(v, 1) for k, v in timings.items()}
-        from fp4sense.report import write_model_card
+        from fp4sense.model_card import write_model_card
 
         write_local_record(work, base=source, text=text)
         write_model_card(work, plan, result.get("eval"), source=source, hub_id=hub_id,

@@ -13,15 +13,18 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from fp4sense import __version__
-from fp4sense.validate import (
-    block_list,
-    non_empty,
-    non_negative_float,
-    positive_float,
-    positive_int,
+from fp4sense.cli_args import (
+    analyze_args,
+    convert_gguf_args,
+    eval_args,
+    push_args,
+    quantize_args,
+    schemes_args,
+    setup_args,
+    text_source,
+    verify_vllm_args,
 )
 
 EXIT_OK = 0
@@ -119,12 +122,13 @@ def _cmd_schemes(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify_vllm(args: argparse.Namespace) -> int:
+    from fp4sense.checkpoint import check_checkpoint, checkpoint_tokenizer
     from fp4sense.data import protocol_windows
-    from fp4sense.verify import Tolerance, check_checkpoint, checkpoint_tokenizer, verify_vllm
+    from fp4sense.verify import Tolerance, verify_vllm
 
     check_checkpoint(args.checkpoint)  # before the tokenizer: a missing folder is one line
     tokenizer = checkpoint_tokenizer(args.checkpoint)
-    windows = protocol_windows(tokenizer, "evaluation", args.windows, source=_text(args))
+    windows = protocol_windows(tokenizer, "evaluation", args.windows, source=text_source(args))
     windows = windows[:, : args.tokens]
     limits = (args.max_abs, args.mean_abs, args.ppl_rel)
     tolerance = None if all(v is None for v in limits) else Tolerance(
@@ -160,7 +164,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
 
     modes = ["measured", "estimated"] if args.mode == "both" else [args.mode]
     report = analyze_model(
-        args.model, text=_text(args), schemes=_csv(args.schemes), views=_csv(args.views),
+        args.model, text=text_source(args), schemes=_csv(args.schemes), views=_csv(args.views),
         modes=modes, n_windows=args.windows, window_tokens=args.tokens,
         grid_blocks=args.grid_blocks,
         out_dir=args.out, cache=not args.no_cache, plots=not args.no_plots,
@@ -202,7 +206,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         args.model, out_dir=args.out, budget_bits=args.budget, budget_bytes=args.budget_bytes,
         kl_target=args.kl_target, menu=_csv(args.menu), sensitivity=args.sensitivity,
         sensitivity_mode=args.sensitivity_mode, pins=_pins(args.pin), gptq=args.gptq,
-        text=_text(args), calib_windows=args.calib_windows, estimate_windows=args.windows,
+        text=text_source(args), calib_windows=args.calib_windows, estimate_windows=args.windows,
         window_tokens=args.tokens, evaluate=not args.no_eval, eval_windows=args.eval_windows,
         overwrite=args.overwrite, base_model_id=args.base_model_id,
         progress=not args.json,
@@ -224,7 +228,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from fp4sense.api import evaluate_checkpoint
 
-    r = evaluate_checkpoint(args.checkpoint, base=args.base, text=_text(args),
+    r = evaluate_checkpoint(args.checkpoint, base=args.base, text=text_source(args),
                             n_windows=args.windows, window_tokens=args.tokens,
                             as_served=args.as_served, progress=not args.json)
     if args.json:
@@ -271,162 +275,25 @@ def _cmd_push(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# --- the parser: one function per command adds its arguments, so that other front doors
-# (optimum-cli) take the same flags --------------------------------------------------------
-def _add_model_and_text(p: argparse.ArgumentParser, text_help: str) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="hub id or local folder (default: the bundled SmolLM2-135M)")
-    _add_text(p, text_help)
-
-
-def _add_text(p: argparse.ArgumentParser, text_help: str) -> None:
-    text = p.add_mutually_exclusive_group()
-    text.add_argument("--text", type=non_empty, default=None, help=text_help)
-    text.add_argument("--dataset", type=non_empty, default=None,
-                      help="HF dataset NAME[:CONFIG[:SPLIT]]")
-
-
-def _text(args: argparse.Namespace) -> str | None:
-    return f"dataset:{args.dataset}" if args.dataset else args.text
-
-
-def _add_windows(p: argparse.ArgumentParser, default: int, what: str) -> None:
-    p.add_argument("--windows", type=positive_int, default=default,
-                   help=f"{what} (default {default})")
-    p.add_argument("--tokens", type=positive_int, default=512,
-                   help="tokens per window (default 512)")
-
-
-def _add_json(p: argparse.ArgumentParser, what: str = "print the result as JSON") -> None:
-    p.add_argument("--json", action="store_true", help=what)
-
-
-def _setup_args(p: argparse.ArgumentParser) -> None:
-    _add_json(p, "print the asset paths as JSON")
-
-
-def _convert_gguf_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("gguf", type=Path, help="path of the .gguf file")
-    p.add_argument("--out", type=Path, required=True, help="output folder")
-    p.add_argument("--name", default=None, help="name_or_path to record (e.g. the hub id)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    _add_json(p)
-
-
-def _analyze_args(p: argparse.ArgumentParser) -> None:
-    _add_model_and_text(p, "analysis text file (default: protocol calibration split)")
-    p.add_argument("--schemes", type=non_empty, default="NVFP4,MXFP4",
-                   help="comma-separated schemes of the menu (see `fp4sense schemes`)")
-    p.add_argument("--views", type=non_empty, default="component,block",
-                   help="comma-separated views: component, block, grid")
-    p.add_argument("--mode", choices=["measured", "estimated", "both"], default="measured",
-                   help="measured (isolation runs), estimated (one Fisher pass), or both")
-    p.add_argument("--grid-blocks", type=block_list, default=None,
-                   help="measure the grid only for these blocks (comma-separated; '' for "
-                   "none, the estimate alone; default: all)")
-    _add_windows(p, 8, "analysis windows")
-    p.add_argument("--out", type=Path, default=Path("fp4sense-analysis"),
-                   help="output folder (sensitivity.json, report.md, plots)")
-    p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--offload-dir", type=Path, default=None,
-                   help="keep decoder blocks on disk here, one in memory at a time")
-    _add_json(p, "print a JSON summary")
-
-
-def _quantize_args(p: argparse.ArgumentParser) -> None:
-    _add_model_and_text(p, "calibration text file (default: protocol calibration split)")
-    goal = p.add_mutually_exclusive_group(required=True)
-    goal.add_argument("--budget", type=positive_float,
-                      help="average bits per weight, e.g. 4.75")
-    goal.add_argument("--budget-bytes", type=positive_int, help="bytes of the decoder linears")
-    goal.add_argument("--kl-target", type=positive_float,
-                      help="fewest bits with predicted KL below")
-    p.add_argument("--out", type=Path, required=True, help="checkpoint folder to write")
-    p.add_argument("--menu", type=non_empty, default="NVFP4,FP8_DYNAMIC,BF16",
-                   help="schemes units may get")
-    p.add_argument("--sensitivity", type=Path, default=None,
-                   help="a saved sensitivity.json (default: estimate it now)")
-    p.add_argument("--sensitivity-mode", choices=["measured", "estimated"], default=None,
-                   help="which grid of the report to plan with")
-    p.add_argument("--pin", action="append", metavar="UNIT_OR_REGEX=SCHEME",
-                   help="force units to a scheme (repeatable)")
-    p.add_argument("--gptq", action="store_true", help="round weights with GPTQ after planning")
-    p.add_argument("--base-model-id", default=None, metavar="ORG/NAME",
-                   help="the base model's Hub id, for the model card's lineage (default: "
-                        "derived where certain: a hub id, a Hugging Face cache folder)")
-    p.add_argument("--calib-windows", type=positive_int, default=32,
-                   help="calibration windows")
-    _add_windows(p, 8, "windows for the sensitivity estimate (the first calibration ones)")
-    p.add_argument("--eval-windows", type=positive_int, default=16,
-                   help="evaluation windows for the model card's figures")
-    p.add_argument("--no-eval", action="store_true", help="skip the evaluation for the card")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    _add_json(p)
-
-
-def _eval_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", type=Path, help="compressed-tensors checkpoint folder")
-    p.add_argument("--base", default=None, help="unquantized model (default: as recorded)")
-    _add_text(p, "evaluation text file (default: protocol evaluation split)")
-    _add_windows(p, 16, "evaluation windows")
-    p.add_argument("--as-served", action="store_true",
-                   help="compute MXFP4A16 layers as W4A4, as vLLM serves them")
-    _add_json(p)
-
-
-def _verify_vllm_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", type=Path, help="compressed-tensors checkpoint folder")
-    _add_text(p, "evaluation text file (default: protocol evaluation split)")
-    _add_windows(p, 2, "evaluation windows to score; tokens <= 512")
-    p.add_argument("--prompt", default="The President of the United States said that")
-    p.add_argument("--serve-python", default=None, help="python of the vLLM environment")
-    p.add_argument("--max-abs", type=non_negative_float, default=None,
-                   help="limit on max |d logprob| (default: by scheme, see README)")
-    p.add_argument("--mean-abs", type=non_negative_float, default=None,
-                   help="limit on mean |d logprob|")
-    p.add_argument("--ppl-rel", type=non_negative_float, default=None,
-                   help="limit on the relative perplexity difference")
-    p.add_argument("--timeout", type=positive_float, default=900.0, help="seconds for the vLLM run")
-    _add_json(p)
-
-
-def _push_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", type=Path, help="compressed-tensors checkpoint folder")
-    p.add_argument("--repo-id", required=True, help="Hub repo, OWNER/NAME (or NAME: yours)")
-    p.add_argument("--private", action="store_true", help="create the repo private")
-    p.add_argument("--dry-run", action="store_true",
-                   help="run every check and list the files; upload nothing")
-    p.add_argument("--revision", default=None, help="branch to commit to (default: main)")
-    p.add_argument("--message", default=None, help="commit message")
-    p.add_argument("--allow-local-paths", action="store_true",
-                   help="upload JSON files that record paths of this machine (older checkpoints)")
-    _add_json(p)
-
-
-def _schemes_args(p: argparse.ArgumentParser) -> None:
-    _add_json(p, "print as JSON")
-
-
 # name -> (help, arguments, action); the order is the order of `fp4sense --help`
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
                           Callable[[argparse.Namespace], int]]] = {
     "setup": ("fetch and verify the bundled model and text (offline cache)",
-              _setup_args, _cmd_setup),
+              setup_args, _cmd_setup),
     "convert-gguf": ("convert a GGUF model file to an HF safetensors folder",
-                     _convert_gguf_args, _cmd_convert_gguf),
+                     convert_gguf_args, _cmd_convert_gguf),
     "analyze": ("layer-wise and block-wise FP4 sensitivity of MODEL (measured and/or "
-                "estimated), written as a report", _analyze_args, _cmd_analyze),
+                "estimated), written as a report", analyze_args, _cmd_analyze),
     "quantize": ("plan under a budget from FP4 sensitivities and write a compressed-tensors "
-                 "checkpoint with llm-compressor", _quantize_args, _cmd_quantize),
+                 "checkpoint with llm-compressor", quantize_args, _cmd_quantize),
     "eval": ("PPL, KL vs base, top-1 agreement and effective bits of a compressed-tensors "
-             "checkpoint", _eval_args, _cmd_eval),
+             "checkpoint", eval_args, _cmd_eval),
     "verify-vllm": ("check that vLLM loads CHECKPOINT and computes the same log-probs as "
-                    "transformers (runs the serve environment)", _verify_vllm_args,
+                    "transformers (runs the serve environment)", verify_vllm_args,
                     _cmd_verify_vllm),
     "push": ("check a checkpoint folder and upload it to the Hugging Face Hub",
-             _push_args, _cmd_push),
-    "schemes": ("list the scheme menu with bits per weight", _schemes_args, _cmd_schemes),
+             push_args, _cmd_push),
+    "schemes": ("list the scheme menu with bits per weight", schemes_args, _cmd_schemes),
 }
 
 

@@ -15,7 +15,6 @@ from tqdm.auto import tqdm
 __all__ = [
     "Comparison",
     "compare_models",
-    "effective_bits",
     "logits_of",
     "next_token_logprobs",
     "perplexity",
@@ -100,45 +99,16 @@ def compare_models(
     )
 
 
-#: Stored tensors of a linear that are not its weights' codes or scales.
-_LINEAR_SUFFIXES = ("weight", "weight_packed", "weight_scale", "weight_zero_point",
-                    "weight_global_scale", "input_global_scale", "weight_shape")
+def __getattr__(name: str):
+    """``fp4sense.metrics.effective_bits`` of 0.3: a deprecated alias of
+    :func:`fp4sense.checkpoint.effective_bits` for one release."""
+    if name == "effective_bits":
+        import warnings
 
+        from fp4sense import checkpoint
 
-def effective_bits(folder) -> dict:
-    """Measured bits per weight of a saved checkpoint (protocol.md): bytes of every stored
-    tensor of the quantizable linears (all linears but the embeddings and lm_head) x 8
-    over their number of weights. Read from the safetensors headers, no weights loaded.
-    """
-    from pathlib import Path
-
-    from fp4sense.verify import tensor_index
-
-    tensors = tensor_index(Path(folder))
-    modules: dict[str, dict[str, dict]] = {}
-    for name, entry in tensors.items():
-        module, _, leaf = name.rpartition(".")
-        if leaf in _LINEAR_SUFFIXES:
-            modules.setdefault(module, {})[leaf] = entry
-    stored = weights = 0
-    linears = 0
-    for module, parts in modules.items():
-        if "embed" in module or module.endswith("lm_head"):
-            continue
-        if "weight_packed" in parts:
-            rows, cols = parts["weight_packed"]["shape"][:2]
-            if "weight_shape" in parts:  # INT4 pack-quantized: 8 codes per int32
-                n = rows * cols * 8
-            else:  # FP4: two codes per byte
-                n = rows * cols * 2
-        elif "weight" in parts and len(parts["weight"]["shape"]) == 2:
-            n = parts["weight"]["shape"][0] * parts["weight"]["shape"][1]
-        else:
-            continue  # norms and other 1-D weights
-        linears += 1
-        weights += n
-        stored += sum(e["nbytes"] for e in parts.values())
-    if not weights:
-        raise ValueError(f"{folder}: no linear weights found in the checkpoint")
-    return {"bits": stored * 8 / weights, "bytes": stored, "weights": weights,
-            "linears": linears}
+        warnings.warn("fp4sense.metrics.effective_bits moved to "
+                      "fp4sense.checkpoint.effective_bits; the alias goes in 0.5",
+                      DeprecationWarning, stacklevel=2)
+        return checkpoint.effective_bits
+    raise AttributeError(f"module 'fp4sense.metrics' has no attribute {name!r}")

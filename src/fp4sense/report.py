@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fp4sense.schemes import get_scheme
 from fp4sense.sensitivity import Entry, SensitivityReport
+from fp4sense.units import short_kind
 
 __all__ = ["plot_blocks", "plot_components", "plot_grid", "write_analysis"]
 
@@ -30,7 +30,7 @@ def _fmt(value: float | None, se: float | None = None, digits: int = 4) -> str:
     return text
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -39,7 +39,7 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
@@ -61,7 +61,7 @@ def plot_components(report: SensitivityReport, path: Path) -> Path | None:
     schemes = [s for s in report.schemes if _mode_for(report, "component", s)]
     if not schemes:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     targets = list(report.table("component", schemes[0], _mode_for(report, "component",
                                                                    schemes[0])))
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(targets)), 4))
@@ -73,13 +73,13 @@ def plot_components(report: SensitivityReport, path: Path) -> Path | None:
         se = [table[t].kl_se if t in table else 0 for t in targets]
         x = np.arange(len(targets)) + (i - (len(schemes) - 1) / 2) * width
         ax.bar(x, kl, width, yerr=np.nan_to_num(se), capsize=2, label=f"{scheme} ({mode})")
-    ax.set_xticks(np.arange(len(targets)), [t.replace("self_attn.", "").replace("mlp.", "")
+    ax.set_xticks(np.arange(len(targets)), [short_kind(t)
                                             for t in targets], rotation=30, ha="right")
     ax.set_yscale("log")
     ax.set_ylabel("KL(base ‖ quantized) per token")
     ax.set_title("Component view: one kind quantized in every block")
     ax.legend()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_blocks(report: SensitivityReport, path: Path) -> Path | None:
@@ -88,7 +88,7 @@ def plot_blocks(report: SensitivityReport, path: Path) -> Path | None:
                or report.table("block_isolate", s, "estimated")]
     if not schemes:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for scheme in schemes:
         mode = _mode_for(report, "block_isolate", scheme)
@@ -113,7 +113,7 @@ def plot_blocks(report: SensitivityReport, path: Path) -> Path | None:
     ax2.set_ylabel("KL(all quantized) − KL(all but this block)")
     ax2.axhline(0, color="grey", lw=0.5)
     ax2.legend()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_grid(report: SensitivityReport, path: Path) -> Path | None:
@@ -122,7 +122,7 @@ def plot_grid(report: SensitivityReport, path: Path) -> Path | None:
     panels = [(s, m) for s, m in panels if m]
     if not panels:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.colors import LogNorm
 
     kinds = report.units.kinds
@@ -140,12 +140,12 @@ def plot_grid(report: SensitivityReport, path: Path) -> Path | None:
         norm = LogNorm(vmin=max(finite.min(), finite.max() * 1e-4), vmax=finite.max()) \
             if finite.size else None
         im = ax.imshow(grid, aspect="auto", cmap="magma_r", norm=norm)
-        ax.set_yticks(range(len(kinds)), [k.replace("self_attn.", "").replace("mlp.", "")
+        ax.set_yticks(range(len(kinds)), [short_kind(k)
                                           for k in kinds])
         ax.set_xlabel("decoder block")
         ax.set_title(f"Grid: each unit alone, {scheme} ({mode}; KL per token)")
         fig.colorbar(im, ax=ax)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 # --- words and tables -----------------------------------------------------------------
@@ -347,170 +347,16 @@ def write_analysis(report: SensitivityReport, out_dir: str | os.PathLike,
     return paths
 
 
-# --- plan and model card ----------------------------------------------------------------
-SCHEME_COLOURS = {"BF16": "#d9d9d9", "FP8_DYNAMIC": "#4c72b0", "INT8": "#55a868",
-                  "NVFP4": "#dd8452", "NVFP4A16": "#f2b880", "MXFP4": "#c44e52",
-                  "MXFP4A16": "#e8a0a2", "INT4": "#8172b3"}
+# --- compatibility: the model card moved to fp4sense.model_card --------------------------
+def __getattr__(name: str):
+    """``fp4sense.report.write_model_card`` / ``plot_plan`` of 0.3: deprecated aliases of
+    :mod:`fp4sense.model_card` for one release."""
+    if name in ("write_model_card", "plot_plan", "SCHEME_COLOURS"):
+        import warnings
 
+        from fp4sense import model_card
 
-def plot_plan(plan, path: Path) -> Path:
-    """Unit kind × block map of a plan's schemes."""
-    plt = _pyplot()
-    from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch
-
-    kinds: list[str] = []
-    blocks = 0
-    for c in plan.choices:
-        block, _, kind = c.unit.partition(":")
-        if kind not in kinds:
-            kinds.append(kind)
-        blocks = max(blocks, int(block) + 1)
-    used = sorted({c.scheme for c in plan.choices})
-    grid = np.full((len(kinds), blocks), np.nan)
-    for c in plan.choices:
-        block, _, kind = c.unit.partition(":")
-        grid[kinds.index(kind), int(block)] = used.index(c.scheme)
-    cmap = ListedColormap([SCHEME_COLOURS.get(s, "#999999") for s in used])
-    fig, ax = plt.subplots(figsize=(max(6, 0.3 * blocks), 1.4 + 0.45 * len(kinds)))
-    ax.imshow(grid, aspect="auto", cmap=cmap, vmin=-0.5, vmax=len(used) - 0.5,
-              interpolation="nearest")
-    ax.set_yticks(range(len(kinds)), [k.replace("self_attn.", "").replace("mlp.", "")
-                                      for k in kinds])
-    ax.set_xlabel("decoder block")
-    ax.set_title(f"Plan: {plan.bits:.2f} bits per weight, predicted KL {plan.predicted_kl:.3f}")
-    ax.legend(handles=[Patch(color=SCHEME_COLOURS.get(s, "#999999"), label=s) for s in used],
-              loc="upper left", bbox_to_anchor=(1.01, 1))
-    return _save(fig, path)
-
-
-def _license(source: str, hub_id: str | None) -> dict:
-    """The base model's license fields, where known: the bundled model's, a local folder's
-    model card, or (for a model taken from the Hub) its card there; {} when unknown."""
-    from fp4sense.assets import MODEL_BASE_ID, MODEL_LICENSE
-
-    if hub_id == MODEL_BASE_ID:
-        return {"license": MODEL_LICENSE}
-    from huggingface_hub import ModelCard
-
-    local = Path(source)
-    try:
-        if (local / "README.md").is_file():
-            card = ModelCard.load(local / "README.md")
-        elif hub_id and not local.exists():
-            card = ModelCard.load(hub_id)  # the model itself came from there
-        else:
-            return {}
-    except Exception:  # no card, offline, unparsable: the license stays unknown
-        return {}
-    meta = card.data.to_dict()
-    if not isinstance(meta.get("license"), str):
-        return {}
-    # "other" licenses are named and linked; carry those too
-    return {k: meta[k] for k in ("license", "license_name", "license_link") if k in meta}
-
-
-def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str,
-                     notes: list[str], gptq: bool = False, name: str | None = None,
-                     hub_id: str | None = None) -> Path:
-    """README.md of a checkpoint: Hugging Face card metadata, what was done, the plan
-    (table and picture), measured figures, and how to serve it with vLLM.
-
-    :param hub_id: the base model's Hub id (default: derived from ``source`` where that
-        is certain, :func:`fp4sense.lineage.hub_id_of`); it becomes ``base_model`` with
-        ``base_model_relation: quantized``. Without one the card says how to add it.
-    """
-    from huggingface_hub import ModelCard, ModelCardData
-
-    from fp4sense.lineage import hub_id_of
-
-    folder = Path(folder)
-    plot_plan(plan, folder / "plan.png")
-    hub_id = hub_id or hub_id_of(source)
-    used = set(plan.schemes())
-    tags = ["fp4sense", "compressed-tensors", "llmcompressor", "vllm", "mixed-precision"]
-    tags += [t for t, hit in (("fp4", any("FP4" in s for s in used)),
-                              ("nvfp4", any(s.startswith("NVFP4") for s in used)),
-                              ("mxfp4", any(s.startswith("MXFP4") for s in used)),
-                              ("fp8", "FP8_DYNAMIC" in used)) if hit]
-    meta = {"base_model": hub_id, "base_model_relation": "quantized" if hub_id else None,
-            **_license(source, hub_id), "library_name": "transformers", "tags": tags,
-            "pipeline_tag": "text-generation"}
-    meta = {k: v for k, v in meta.items() if v is not None}
-    name = name or folder.name
-    # a local base model is named by its folder only: a card is for sharing, not for paths
-    base_name = hub_id or Path(source).name
-    by_scheme = plan.schemes()
-    lines = [
-        "---", ModelCardData(**meta).to_yaml(), "---", "",
-        f"# {base_name}, FP4 mixed precision ({plan.bits:.2f} bits per weight)", "",
-        f"Quantized with [fp4sense](https://pypi.org/project/fp4sense/) "
-        f"{plan.fp4sense_version} and llm-compressor: each unit of the decoder (a fused "
-        "q/k/v or gate/up group, or a single linear) got the scheme that an exact budgeted "
-        f"plan chose from the menu {', '.join(plan.menu)}, minimizing the predicted damage "
-        f"(the sum of the units' {plan.score} FP4 sensitivities, KL) under "
-        f"{_objective(plan.objective)}." + (" Weights were then rounded with GPTQ." if gptq
-                                            else ""),
-        "lm_head and the embeddings are not quantized. The checkpoint is a standard "
-        "compressed-tensors checkpoint (`" + ("mixed-precision" if len(
-            [s for s in used if get_scheme(s).quantizes]) > 1 else "single-format")
-        + "`); loading it needs no fp4sense code.", "",
-        *[f"> {n}" for n in notes], "",
-        *([] if hub_id else [
-            f"The base model's Hub id is not known (it was quantized from a local folder, "
-            f"`{base_name}`), so this card does not link it. Add `base_model: ORG/NAME` and "
-            "`base_model_relation: quantized` to the metadata above, or quantize with "
-            "`--base-model-id ORG/NAME`.", ""]),
-        "## Plan", "", "![plan](plan.png)", "",
-        "| scheme | units | share of weights |", "|---|---|---|",
-    ]
-    total = sum(c.numel for c in plan.choices)
-    for scheme, count in by_scheme.items():
-        share = sum(c.numel for c in plan.choices if c.scheme == scheme) / total
-        lines.append(f"| {scheme} | {count} | {share:.1%} |")
-    lines += ["", f"Predicted KL (sum over units): {plan.predicted_kl:.4f}. Per unit: "
-              "`plan.json`; sensitivities: `sensitivity.json`.", ""]
-    if evaluation:
-        e = evaluation
-        lines += ["## Measured", "",
-                  f"On {e['windows']} windows × {e['window_tokens']} tokens of "
-                  f"{_text_name(e['text'])} "
-                  "(fp4sense protocol: float32 on CPU, next-token distributions against the "
-                  "unquantized model):", "",
-                  "| effective bits / weight | KL(base ‖ this) | perplexity | base perplexity "
-                  "| top-1 agreement |", "|---|---|---|---|---|",
-                  f"| {e['effective_bits']:.3f} | {e['kl']:.4f} ± {e['kl_se']:.4f} | "
-                  f"{e['ppl']:.3f} | {e['base_ppl']:.3f} | {e['top1']:.3f} |", ""]
-    lines += ["## Serve with vLLM", "", "```bash", f"vllm serve {name}",
-              "```", "", "or in Python: `vllm.LLM(model=\"<this folder or repo>\")`. NVFP4 "
-              "runs natively (weights and activations in FP4) on Blackwell GPUs; on older "
-              "CUDA GPUs vLLM runs NVFP4 weight-only (Marlin), activations in 16 bits. vLLM "
-              "builds MXFP4 layers as W4A4 even where a checkpoint says MXFP4A16.", "",
-              "## Reproduce", "", "From this folder, with `fp4sense-llmcompressor` installed:",
-              "", "```python", "import fp4sense_llmcompressor  # registers the modifier",
-              "from llmcompressor import oneshot",
-              f"oneshot(model=\"{hub_id or '<base model>'}\", recipe=\"recipe.yaml\", dataset=...)",
-              "```", ""]
-    path = folder / "README.md"
-    ModelCard("\n".join(lines)).save(path)
-    return path
-
-
-def _text_name(text: str) -> str:
-    """The evaluation text as a card names it: the protocol split, a dataset, or a file's
-    name (never its path on this machine)."""
-    from fp4sense.data import PROTOCOL_EVAL_TEXT
-
-    if text == PROTOCOL_EVAL_TEXT:
-        return "the protocol's evaluation split (State of the Union addresses 2000–2021)"
-    if text.startswith("dataset:"):
-        return f"the dataset `{text[len('dataset:'):]}`"
-    return f"`{Path(text).name}`"
-
-
-def _objective(objective: dict) -> str:
-    if "budget_bits" in objective:
-        return f"a budget of {objective['budget_bits']} bits per weight"
-    if "budget_bytes" in objective:
-        return f"a budget of {objective['budget_bytes']:,} bytes"
-    return f"the fewest bits keeping predicted KL under {objective['kl_target']}"
+        warnings.warn(f"fp4sense.report.{name} moved to fp4sense.model_card.{name}; the "
+                      "alias goes in 0.5", DeprecationWarning, stacklevel=2)
+        return getattr(model_card, name)
+    raise AttributeError(f"module 'fp4sense.report' has no attribute {name!r}")

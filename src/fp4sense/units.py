@@ -22,7 +22,7 @@ import torch
 
 from fp4sense.schemes import get_scheme
 
-__all__ = ["Unit", "UnitError", "UnitMap", "find_units"]
+__all__ = ["Unit", "UnitError", "UnitMap", "find_units", "short_kind"]
 
 
 class UnitError(ValueError):
@@ -216,6 +216,12 @@ def model_fingerprint(model: torch.nn.Module) -> str:
         t = tensor.detach().to(torch.bfloat16).contiguous().cpu()
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def short_kind(kind: str) -> str:
+    """A unit kind without its first module inside the block, for plot labels
+    (``self_attn.q_proj+k_proj+v_proj`` -> ``q_proj+k_proj+v_proj``)."""
+    return kind.split(".", 1)[-1]
 
 
 def model_name(model: torch.nn.Module, fallback: str | os.PathLike = "") -> str:

@@ -1,0 +1,151 @@
+"""The arguments of each ``fp4sense`` command: one function per command adds them to a
+parser, so that every front door (``fp4sense``, ``optimum-cli fp4sense``) takes the same
+flags; values are typed and ranged here (:mod:`fp4sense.validate`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from fp4sense.validate import (
+    block_list,
+    non_empty,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
+
+
+def _add_model_and_text(p: argparse.ArgumentParser, text_help: str) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="hub id or local folder (default: the bundled SmolLM2-135M)")
+    _add_text(p, text_help)
+
+
+def _add_text(p: argparse.ArgumentParser, text_help: str) -> None:
+    text = p.add_mutually_exclusive_group()
+    text.add_argument("--text", type=non_empty, default=None, help=text_help)
+    text.add_argument("--dataset", type=non_empty, default=None,
+                      help="HF dataset NAME[:CONFIG[:SPLIT]]")
+
+
+def text_source(args: argparse.Namespace) -> str | None:
+    return f"dataset:{args.dataset}" if args.dataset else args.text
+
+
+def _add_windows(p: argparse.ArgumentParser, default: int, what: str) -> None:
+    p.add_argument("--windows", type=positive_int, default=default,
+                   help=f"{what} (default {default})")
+    p.add_argument("--tokens", type=positive_int, default=512,
+                   help="tokens per window (default 512)")
+
+
+def _add_json(p: argparse.ArgumentParser, what: str = "print the result as JSON") -> None:
+    p.add_argument("--json", action="store_true", help=what)
+
+
+def setup_args(p: argparse.ArgumentParser) -> None:
+    _add_json(p, "print the asset paths as JSON")
+
+
+def convert_gguf_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("gguf", type=Path, help="path of the .gguf file")
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--name", default=None, help="name_or_path to record (e.g. the hub id)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    _add_json(p)
+
+
+def analyze_args(p: argparse.ArgumentParser) -> None:
+    _add_model_and_text(p, "analysis text file (default: protocol calibration split)")
+    p.add_argument("--schemes", type=non_empty, default="NVFP4,MXFP4",
+                   help="comma-separated schemes of the menu (see `fp4sense schemes`)")
+    p.add_argument("--views", type=non_empty, default="component,block",
+                   help="comma-separated views: component, block, grid")
+    p.add_argument("--mode", choices=["measured", "estimated", "both"], default="measured",
+                   help="measured (isolation runs), estimated (one Fisher pass), or both")
+    p.add_argument("--grid-blocks", type=block_list, default=None,
+                   help="measure the grid only for these blocks (comma-separated; '' for "
+                   "none, the estimate alone; default: all)")
+    _add_windows(p, 8, "analysis windows")
+    p.add_argument("--out", type=Path, default=Path("fp4sense-analysis"),
+                   help="output folder (sensitivity.json, report.md, plots)")
+    p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--offload-dir", type=Path, default=None,
+                   help="keep decoder blocks on disk here, one in memory at a time")
+    _add_json(p, "print a JSON summary")
+
+
+def quantize_args(p: argparse.ArgumentParser) -> None:
+    _add_model_and_text(p, "calibration text file (default: protocol calibration split)")
+    goal = p.add_mutually_exclusive_group(required=True)
+    goal.add_argument("--budget", type=positive_float,
+                      help="average bits per weight, e.g. 4.75")
+    goal.add_argument("--budget-bytes", type=positive_int, help="bytes of the decoder linears")
+    goal.add_argument("--kl-target", type=positive_float,
+                      help="fewest bits with predicted KL below")
+    p.add_argument("--out", type=Path, required=True, help="checkpoint folder to write")
+    p.add_argument("--menu", type=non_empty, default="NVFP4,FP8_DYNAMIC,BF16",
+                   help="schemes units may get")
+    p.add_argument("--sensitivity", type=Path, default=None,
+                   help="a saved sensitivity.json (default: estimate it now)")
+    p.add_argument("--sensitivity-mode", choices=["measured", "estimated"], default=None,
+                   help="which grid of the report to plan with")
+    p.add_argument("--pin", action="append", metavar="UNIT_OR_REGEX=SCHEME",
+                   help="force units to a scheme (repeatable)")
+    p.add_argument("--gptq", action="store_true", help="round weights with GPTQ after planning")
+    p.add_argument("--base-model-id", default=None, metavar="ORG/NAME",
+                   help="the base model's Hub id, for the model card's lineage (default: "
+                        "derived where certain: a hub id, a Hugging Face cache folder)")
+    p.add_argument("--calib-windows", type=positive_int, default=32,
+                   help="calibration windows")
+    _add_windows(p, 8, "windows for the sensitivity estimate (the first calibration ones)")
+    p.add_argument("--eval-windows", type=positive_int, default=16,
+                   help="evaluation windows for the model card's figures")
+    p.add_argument("--no-eval", action="store_true", help="skip the evaluation for the card")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    _add_json(p)
+
+
+def eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", type=Path, help="compressed-tensors checkpoint folder")
+    p.add_argument("--base", default=None, help="unquantized model (default: as recorded)")
+    _add_text(p, "evaluation text file (default: protocol evaluation split)")
+    _add_windows(p, 16, "evaluation windows")
+    p.add_argument("--as-served", action="store_true",
+                   help="compute MXFP4A16 layers as W4A4, as vLLM serves them")
+    _add_json(p)
+
+
+def verify_vllm_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", type=Path, help="compressed-tensors checkpoint folder")
+    _add_text(p, "evaluation text file (default: protocol evaluation split)")
+    _add_windows(p, 2, "evaluation windows to score; tokens <= 512")
+    p.add_argument("--prompt", default="The President of the United States said that")
+    p.add_argument("--serve-python", default=None, help="python of the vLLM environment")
+    p.add_argument("--max-abs", type=non_negative_float, default=None,
+                   help="limit on max |d logprob| (default: by scheme, see README)")
+    p.add_argument("--mean-abs", type=non_negative_float, default=None,
+                   help="limit on mean |d logprob|")
+    p.add_argument("--ppl-rel", type=non_negative_float, default=None,
+                   help="limit on the relative perplexity difference")
+    p.add_argument("--timeout", type=positive_float, default=900.0, help="seconds for the vLLM run")
+    _add_json(p)
+
+
+def push_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", type=Path, help="compressed-tensors checkpoint folder")
+    p.add_argument("--repo-id", required=True, help="Hub repo, OWNER/NAME (or NAME: yours)")
+    p.add_argument("--private", action="store_true", help="create the repo private")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run every check and list the files; upload nothing")
+    p.add_argument("--revision", default=None, help="branch to commit to (default: main)")
+    p.add_argument("--message", default=None, help="commit message")
+    p.add_argument("--allow-local-paths", action="store_true",
+                   help="upload JSON files that record paths of this machine (older checkpoints)")
+    _add_json(p)
+
+
+def schemes_args(p: argparse.ArgumentParser) -> None:
+    _add_json(p, "print as JSON")
