@@ -79,6 +79,20 @@ def dequantize_codes(
 
 
 # --- public API ---------------------------------------------------------------------
+def _prepare(weight: torch.Tensor, fmt: str | FP4Format, global_scale: torch.Tensor | None,
+             scales: torch.Tensor | None, name: str
+             ) -> tuple[FP4Format, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Checked weight, its tensor scale and its block scales (the amax choice unless
+    given): what compressing and fake-quantizing a weight both start from."""
+    f = get_format(fmt)
+    check_weight(weight, f, name)
+    weight = weight.detach()
+    tensor_scale = f.tensor_scale((weight,), global_scale)
+    if scales is None:
+        scales = amax_block_scales(weight, f, tensor_scale)
+    return f, weight, tensor_scale, scales
+
+
 def compress(
     weight: torch.Tensor,
     fmt: str | FP4Format,
@@ -97,12 +111,7 @@ def compress(
     :param name: the tensor's name, used in error messages
     :return: ``weight_packed``, ``weight_scale`` and, for NVFP4, ``weight_global_scale``
     """
-    f = get_format(fmt)
-    check_weight(weight, f, name)
-    weight = weight.detach()
-    tensor_scale = f.tensor_scale((weight,), global_scale)
-    if scales is None:
-        scales = amax_block_scales(weight, f, tensor_scale)
+    f, weight, tensor_scale, scales = _prepare(weight, fmt, global_scale, scales, name)
     codes = quantize_to_codes(weight, scales, f, tensor_scale)
     out = {"weight_packed": pack_codes(codes), "weight_scale": scales.to(f.scale_dtype)}
     if tensor_scale is not None:
@@ -135,12 +144,7 @@ def quantize_dequantize(
 ) -> torch.Tensor:
     """Fake-quantize ``weight`` (same shape and dtype): what a served checkpoint computes
     with — the bits of ``decompress(compress(weight))``, without packing."""
-    f = get_format(fmt)
-    check_weight(weight, f, name)
-    weight = weight.detach()
-    tensor_scale = f.tensor_scale((weight,), global_scale)
-    if scales is None:
-        scales = amax_block_scales(weight, f, tensor_scale)
+    f, weight, tensor_scale, scales = _prepare(weight, fmt, global_scale, scales, name)
     return _fake_quantize(weight, scales, f, tensor_scale, weight.dtype)
 
 
