@@ -112,16 +112,16 @@ def test_budget_out_of_reach_names_the_range(tiny_llama, text_file, tmp_path):
 @pytest.mark.slow
 def test_interrupted_quantize_leaves_nothing_that_looks_complete(tiny_llama, text_file,
                                                                 tmp_path, monkeypatch):
-    from fp4sense import api
+    from fp4sense import quantize as quantize_module
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(api, "_oneshot_plan", interrupted)
+    monkeypatch.setattr(quantize_module, "_oneshot_plan", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        api.quantize_model(tiny_llama, out_dir=tmp_path / "q", budget_bits=5.0,
-                           text=text_file, calib_windows=4, estimate_windows=2,
-                           window_tokens=64, progress=False, log=lambda m: None)
+        quantize_module.quantize_model(tiny_llama, out_dir=tmp_path / "q", budget_bits=5.0,
+                                       text=text_file, calib_windows=4, estimate_windows=2,
+                                       window_tokens=64, progress=False, log=lambda m: None)
     assert list(tmp_path.iterdir()) == []
 
 

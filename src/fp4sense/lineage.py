@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 __all__ = ["LOCAL_RECORD", "hub_id_of", "is_hub_id", "local_record", "public_name",
-           "write_local_record"]
+           "text_name", "write_local_record"]
 
 #: hidden (never uploaded) record of the local paths a checkpoint was made from
 LOCAL_RECORD = ".fp4sense-local.json"
@@ -84,6 +84,12 @@ def public_name(source: str | os.PathLike | None, hub_id: str | None = None) -> 
         found = hub_id_of(text) if Path(text).exists() else None
         return found or Path(text).name
     return text
+
+
+def text_name(text: str | os.PathLike | None) -> str:
+    """How reports name an analysis text: the protocol split, a dataset spec, or a file's
+    name (never its path)."""
+    return public_name(text) if text is not None else "protocol calibration split"
 
 
 def write_local_record(folder: Path, **paths: str | os.PathLike | None) -> Path:

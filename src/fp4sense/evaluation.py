@@ -1,0 +1,102 @@
+"""``fp4sense eval``: a compressed-tensors checkpoint against its base model, per protocol."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from fp4sense.models import load_model
+
+__all__ = ["evaluate_checkpoint"]
+
+
+def evaluate_checkpoint(
+    checkpoint: str | os.PathLike,
+    *,
+    base: str | os.PathLike | None = None,
+    text: str | os.PathLike | None = None,
+    n_windows: int = 16,
+    window_tokens: int = 512,
+    as_served: bool = False,
+    progress: bool = True,
+) -> dict:
+    """``fp4sense eval``: PPL, KL vs base and top-1 agreement on the evaluation windows,
+    and the measured effective bits, of any compressed-tensors checkpoint (float32).
+
+    :param base: the unquantized model (default: the one the checkpoint records).
+    :param as_served: compute MXFP4A16 layers as W4A4, as vLLM serves them.
+
+    The result names the checkpoint, base and text by name (Hub id, folder or file name),
+    as files that may be shared do, never by their paths on this machine.
+    """
+
+    from fp4sense.checkpoint import check_checkpoint, checkpoint_tokenizer, effective_bits
+    from fp4sense.data import PROTOCOL_EVAL_TEXT, protocol_windows
+    from fp4sense.lineage import public_name
+    from fp4sense.metrics import compare_models
+    from fp4sense.quantized import load_checkpoint
+
+    folder = Path(checkpoint)
+    check_checkpoint(folder)
+    tokenizer = checkpoint_tokenizer(folder)
+    if base is None:
+        base = _recorded_base(folder)
+    windows = protocol_windows(tokenizer, "evaluation", n_windows, text, window_tokens)
+    base_model, _, _ = load_model(base)
+    _check_base_matches(folder, base_model, base)
+    quant, act_layers, notes = load_checkpoint(folder, promote_mxfp4=as_served)
+    comparison = compare_models(base_model, quant, windows,
+                                desc="evaluating" if progress else "")
+    bits = effective_bits(folder)
+    qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
+    return {
+        "checkpoint": folder.resolve().name, "base": public_name(base),
+        **comparison.to_dict(),
+        "effective_bits": bits["bits"], "linear_bytes": bits["bytes"],
+        "format": qcfg.get("format"), "activation_quantized_layers": act_layers,
+        "windows": n_windows, "window_tokens": window_tokens,
+        "text": public_name(text) if text is not None else PROTOCOL_EVAL_TEXT,
+        "notes": notes,
+    }
+
+
+def _check_base_matches(folder: Path, base_model: torch.nn.Module, base) -> None:
+    """The base model has the checkpoint's architecture and shapes (else KL vs it is
+    meaningless): one line naming both."""
+
+    from fp4sense.validate import InputError
+
+    saved = json.loads((folder / "config.json").read_text())
+    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "vocab_size")
+    config = base_model.config.to_dict()
+    differ = [f"{k} {config.get(k)} vs {saved.get(k)}" for k in keys
+              if k in saved and config.get(k) != saved.get(k)]
+    if differ:
+        raise InputError(f"base model {str(base)!r} is not the model {folder} was made from "
+                         f"({'; '.join(differ)}); pass the right --base")
+
+
+def _recorded_base(folder: Path) -> str:
+    """The base model a checkpoint was made from: the local path fp4sense recorded on
+    this machine, else the Hub id or folder plan.json and config.json name."""
+
+    from fp4sense.lineage import is_hub_id, local_record
+
+    candidates = [local_record(folder).get("base")]
+    plan = folder / "plan.json"
+    if plan.is_file():
+        candidates.append(json.loads(plan.read_text()).get("model"))
+    config = json.loads((folder / "config.json").read_text())
+    candidates.append(config.get("_name_or_path"))
+    for cand in candidates:
+        if cand and Path(cand).is_dir() and (Path(cand) / "config.json").is_file():
+            return cand
+    for cand in candidates:
+        if cand and is_hub_id(cand):
+            return cand
+    raise ValueError(f"{folder} does not name a base model that is on this machine "
+                     f"(found {[c for c in candidates if c]}); pass --base MODEL")

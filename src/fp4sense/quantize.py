@@ -1,0 +1,186 @@
+"""``fp4sense quantize``: estimate, plan once, apply the plan with the registered host
+quantizer (llm-compressor's oneshot), evaluate, and publish the checkpoint folder in one
+rename."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from fp4sense.evaluation import evaluate_checkpoint
+from fp4sense.lineage import text_name
+from fp4sense.models import DEFAULT_ANALYSIS_WINDOWS, analysis_windows, load_model
+
+__all__ = ["quantize_model"]
+
+
+def quantize_model(
+    model: str | os.PathLike | None = None,
+    *,
+    out_dir: str | os.PathLike,
+    budget_bits: float | None = None,
+    budget_bytes: int | None = None,
+    kl_target: float | None = None,
+    menu: Sequence[str] = ("NVFP4", "FP8_DYNAMIC", "BF16"),
+    sensitivity: str | os.PathLike | None = None,
+    sensitivity_mode: str | None = None,
+    pins: dict[str, str] | None = None,
+    gptq: bool = False,
+    base_model_id: str | None = None,
+    text: str | os.PathLike | None = None,
+    calib_windows: int = 32,
+    estimate_windows: int = DEFAULT_ANALYSIS_WINDOWS,
+    window_tokens: int = 512,
+    evaluate: bool = True,
+    eval_windows: int = 16,
+    overwrite: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """``fp4sense quantize``: plan under the budget and quantize with llm-compressor's
+    oneshot (SensitivityGuidedModifier, optionally + GPTQModifier), writing the
+    compressed checkpoint with plan.json, sensitivity.json, recipe.yaml and a model card.
+
+    ``base_model_id`` names the base model's Hub id for the model card's lineage
+    (``base_model``) where it cannot be derived (a local folder outside the Hugging Face
+    cache). Shared files name the base and the text without local paths (see
+    :mod:`fp4sense.lineage`).
+
+    Works in a temporary folder beside ``out_dir`` and renames it at the end, so an
+    interrupted run never leaves a checkpoint that looks complete. Without
+    ``overwrite`` a non-empty ``out_dir`` is refused before anything runs.
+    """
+    import shutil
+    import tempfile
+    import time
+
+    from fp4sense.assets import default_model_path
+    from fp4sense.lineage import hub_id_of, public_name, write_local_record
+    from fp4sense.planner import plan_cost, solve
+    from fp4sense.schemes import get_scheme
+    from fp4sense.sensitivity import analyze
+    from fp4sense.validate import check_output_folder, remove_dead_partials, write_owner
+
+    out = Path(out_dir)
+    # the user's model is never the output, nor inside it, nor holding it
+    base_path = default_model_path() if model is None else Path(model)
+    check_output_folder(out, overwrite=overwrite,
+                        protected=[base_path] if base_path.exists() else [])
+    menu = [get_scheme(s).name for s in menu]
+    if base_model_id is not None:
+        hub_id_of("", base_model_id)  # a malformed id fails before anything runs
+    if sum(x is not None for x in (budget_bits, budget_bytes, kl_target)) != 1:
+        raise ValueError("give exactly one of --budget, --budget-bytes, --kl-target")
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+
+    hf_model, tokenizer, notes = load_model(model)
+    source = str(model) if model is not None else hf_model.config._name_or_path
+    hub_id = hub_id_of(source, base_model_id)
+    calib = analysis_windows(tokenizer, text, calib_windows, window_tokens)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for note in remove_dead_partials(out.parent, out.name):
+        log(f"note: {note}")
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    work.chmod(0o777 & ~umask)  # a normal folder once published, not mkdtemp's 0700
+    try:
+        write_owner(work)  # a later run may remove this folder once this process is gone
+        if sensitivity is not None:
+            from fp4sense.sensitivity import SensitivityReport
+            from fp4sense.units import model_fingerprint
+
+            report = SensitivityReport.load(sensitivity, model_fingerprint(hf_model))
+        else:
+            t = time.perf_counter()
+            quantized = [s for s in menu if get_scheme(s).quantizes]
+            report = analyze(hf_model, calib[:estimate_windows], schemes=quantized,
+                             views=["grid"], modes=["estimated"], cache_dir=None,
+                             text={"source": text_name(text)},
+                             progress=progress, log=log)
+            timings["sensitivity_s"] = time.perf_counter() - t
+        # shared files name the base and the text, not their paths here
+        report.model = public_name(report.model, hub_id)
+        report.text["source"] = public_name(report.text.get("source"))
+        report.save(work / "sensitivity.json")
+        lo, hi = plan_cost(report.units, menu)
+        plan = solve(report, budget_bits=budget_bits, budget_bytes=budget_bytes,
+                     kl_target=kl_target, menu=menu, pins=pins, mode=sensitivity_mode)
+        log(f"plan: {plan.schemes()}, {plan.bits:.3f} bits per weight (menu reaches "
+            f"{lo:.2f}–{hi:.2f}), predicted KL {plan.predicted_kl:.4f}")
+        _check_plan_quantizes(plan, budget_bits, budget_bytes, lo, hi,
+                              sum(u.numel for u in report.units.units), log)
+        del hf_model
+
+        plan.save(work / "plan.json")  # solved once: the modifier applies this file
+        t = time.perf_counter()
+        recipe = _oneshot_plan(source, calib, work, plan="plan.json", gptq=gptq)
+        timings["oneshot_s"] = time.perf_counter() - t
+        tokenizer.save_pretrained(work)
+        (work / "recipe.yaml").write_text(recipe)
+
+        result = {"plan": {"schemes": plan.schemes(), "bits_theory": plan.bits,
+                           "predicted_kl": plan.predicted_kl, "score": plan.score}}
+        if evaluate:
+            t = time.perf_counter()
+            result["eval"] = evaluate_checkpoint(work, base=source, n_windows=eval_windows,
+                                                 window_tokens=window_tokens,
+                                                 progress=progress)
+            result["eval"]["checkpoint"] = out.resolve().name
+            result["eval"]["base"] = public_name(source, hub_id)
+            timings["eval_s"] = time.perf_counter() - t
+        timings["total_s"] = time.perf_counter() - t0
+        result["timings"] = {k: round(v, 1) for k, v in timings.items()}
+        from fp4sense.model_card import write_model_card
+
+        write_local_record(work, base=source, text=text)
+        write_model_card(work, plan, result.get("eval"), source=source, hub_id=hub_id,
+                         notes=notes,
+                         gptq=gptq, name=out.name)
+        (work / "fp4sense-quantize.json").write_text(json.dumps(result, indent=1))
+        # publish: the finished folder replaces out_dir in one rename
+        if out.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            out.rename(trash / out.name)
+            work.rename(out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            work.rename(out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    result["out"] = str(out)
+    return result
+
+
+def _check_plan_quantizes(plan, budget_bits: float | None, budget_bytes: int | None,
+                          lo: float, hi: float, numel: int, log: Callable[[str], None]) -> None:
+    """A budget above what the menu can use plans at the menu's top (said in a note); a
+    plan that quantizes nothing is refused: it would not be a quantized checkpoint."""
+    from fp4sense.planner import PlanError
+    from fp4sense.schemes import get_scheme
+
+    asked = budget_bits if budget_bits is not None else (
+        budget_bytes * 8 / numel if budget_bytes is not None else None)
+    if asked is not None and asked > hi + 1e-9:
+        log(f"note: the budget ({asked:.3f} bits per weight) is above what the menu can use "
+            f"({hi:.3f}); planned at the menu's top")
+    if not any(get_scheme(c.scheme).quantizes for c in plan.choices):
+        raise PlanError(
+            f"the plan leaves every unit in BF16, so nothing would be quantized; give a "
+            f"budget below {hi:.3f} bits per weight (the menu reaches {lo:.3f}–{hi:.3f}) or "
+            "drop BF16 from the menu")
+
+
+def _oneshot_plan(source: str, calib: torch.Tensor, work: Path, *, plan: str, gptq: bool
+                  ) -> str:
+    """Apply the plan saved as ``work / plan`` with the registered quantizer (the
+    llm-compressor plugin's oneshot); return the recipe YAML that reproduces it."""
+    from fp4sense.hosts import quantizer
+
+    return quantizer()(source, calib, work, plan=plan, gptq=gptq)
