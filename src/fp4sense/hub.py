@@ -195,7 +195,7 @@ def check_folder(folder: str | os.PathLike, allow_local_paths: bool = False) -> 
         raise PushError(f"{folder} is not ready for the Hub; nothing was uploaded:\n  - "
                         + "\n  - ".join(problems))
     notes = list(local)
-    if not problems and card and not card.get("base_model"):
+    if card and not card.get("base_model"):  # problems were raised above
         notes.append("the model card names no base_model, so the Hub will not list this "
                      "checkpoint under its base model; quantize with --base-model-id ORG/NAME "
                      "or add base_model to the card")
