@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from fp4sense.api import BUNDLED_MODEL_NOTE, analysis_windows, load_model
-    from fp4sense.report import findings, write_analysis
-    from fp4sense.sensitivity import analyze, correlations
+    from fp4sense.diagnosis import analyze, correlations
+    from fp4sense.reports.analysis import findings, write_analysis
 
     torch.manual_seed(0)
     if args.fresh and args.cache.exists():

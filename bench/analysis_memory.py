@@ -22,11 +22,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def main() -> int:
     from fp4sense.api import analysis_windows, load_model
+    from fp4sense.diagnosis import analyze
     from fp4sense.diagnosis.cache import EntryCache
     from fp4sense.diagnosis.engine import Analysis
+    from fp4sense.diagnosis.units import find_units
     from fp4sense.diagnosis.views import REPORT_VIEWS
-    from fp4sense.sensitivity import analyze
-    from fp4sense.units import find_units
 
     t = time.perf_counter()
     model, tok, _ = load_model(None)

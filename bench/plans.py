@@ -49,7 +49,7 @@ TARGET_REDUCTION = {4.75: 0.35, 5.0: 0.50, 5.5: 0.65}
 
 def weight_mse(model, units, schemes):
     """scheme -> unit -> Σ ||W - Q(W)||² over the unit's linears (HIGGS-style score)."""
-    from fp4sense.fakequant import quantize_weights
+    from fp4sense.numerics.fakequant import quantize_weights
 
     modules = dict(model.named_modules())
     out = {}
@@ -94,11 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from fp4sense.api import BUNDLED_MODEL_NOTE, analysis_windows, load_model
-    from fp4sense.data import protocol_windows
+    from fp4sense.diagnosis import analyze
     from fp4sense.diagnosis.cache import EntryCache
     from fp4sense.diagnosis.engine import Analysis
-    from fp4sense.planner import plan_cost, solve, unit_bits
-    from fp4sense.sensitivity import analyze
+    from fp4sense.inputs.texts import protocol_windows
+    from fp4sense.planning.milp import plan_cost, solve, unit_bits
 
     if args.fresh and args.cache.exists():
         shutil.rmtree(args.cache)
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             plans = {
                 "weight MSE plan": solve(est, budget_bits=b, menu=menu, damage=mse,
-                                         score="weight_mse"),
+                                         damage_source="weight_mse"),
                 "ours, estimated": solve(est, budget_bits=b, menu=menu, mode="estimated"),
                 "ours, measured": solve(meas, budget_bits=b, menu=menu, mode="measured"),
             }
@@ -229,8 +229,8 @@ def checkpoint_check(model, tok, calib, evaluate, est, args) -> dict:
     from transformers import AutoModelForCausalLM
 
     from fp4sense.api import evaluate_checkpoint, quantize_model
-    from fp4sense.assets import ensure_model
-    from fp4sense.planner import Plan
+    from fp4sense.inputs.assets import ensure_model
+    from fp4sense.planning.milp import Plan
 
     source = ensure_model(log=lambda m: None)
     with tempfile.TemporaryDirectory(prefix="fp4sense-bench-") as tmp:

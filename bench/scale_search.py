@@ -37,8 +37,8 @@ def quantize(model_path: Path, scheme: str, observer: str, calib: torch.Tensor):
     from transformers import AutoModelForCausalLM
 
     import fp4sense_llmcompressor  # noqa: F401  (registers the observer)
-    from fp4sense.quantized import bake_weights
-    from fp4sense.schemes import to_quantization_scheme
+    from fp4sense.checkpoint.loading import bake_weights
+    from fp4sense.numerics.schemes import to_quantization_scheme
 
     qscheme = to_quantization_scheme(scheme, ["Linear"])
     if observer != "minmax":
@@ -79,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fp4sense.assets import ensure_assets
-    from fp4sense.data import protocol_windows
-    from fp4sense.metrics import compare_models, logits_of
+    from fp4sense.evaluation.metrics import compare_models, logits_of
+    from fp4sense.inputs.assets import ensure_assets
+    from fp4sense.inputs.texts import protocol_windows
 
     torch.manual_seed(0)
     paths = ensure_assets()

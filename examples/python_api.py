@@ -13,8 +13,8 @@ import argparse
 from pathlib import Path
 
 from fp4sense.api import analyze_model, evaluate_checkpoint, quantize_model
-from fp4sense.hub import check_folder
-from fp4sense.report import findings
+from fp4sense.publishing.hub import check_folder
+from fp4sense.reports.analysis import findings
 
 
 def main() -> None:

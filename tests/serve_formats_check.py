@@ -1,4 +1,4 @@
-"""Run by the serve environment's python: fp4sense.formats vs compressed-tensors 0.17.
+"""Run by the serve environment's python: fp4sense.numerics.formats vs compressed-tensors 0.17.
 
 Prints one JSON line: {"compressed_tensors": version, "cases": n, "mismatches": [...]}.
 """
@@ -14,8 +14,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ct_reference import as_bytes, reference, same_bits, special_weights  # noqa: E402
-from fp4sense import formats as F  # noqa: E402
-from fp4sense import fp4  # noqa: E402
+from fp4sense.numerics import formats as F  # noqa: E402
+from fp4sense.numerics import fp4  # noqa: E402
 
 
 def main() -> None:

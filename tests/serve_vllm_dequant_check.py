@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ct_reference import same_bits, special_weights  # noqa: E402
-from fp4sense import e2m1, fp4  # noqa: E402
+from fp4sense.numerics import e2m1, fp4  # noqa: E402
 
 
 def _vllm_dequant(t: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from fp4sense import assets as A
-from fp4sense.data import DataError, make_windows, protocol_windows
+from fp4sense.inputs import assets as A
+from fp4sense.inputs.texts import DataError, make_windows, protocol_windows
 
 
 def test_bundled_model_loads_with_plain_transformers(assets):
@@ -159,7 +159,7 @@ def _fake_pip(kwargs, args, source):
 
 
 def test_convert_gguf_refuses_to_overwrite(tmp_path):
-    from fp4sense.gguf import GGUFConversionError, convert_gguf
+    from fp4sense.inputs.gguf import GGUFConversionError, convert_gguf
 
     with pytest.raises(GGUFConversionError, match="GGUF file not found"):
         convert_gguf(tmp_path / "missing.gguf", tmp_path / "out")

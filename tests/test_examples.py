@@ -47,7 +47,7 @@ def test_sensitivity_guided_recipe_with_gptq_runs_through_oneshot(tiny_llama, tm
     from transformers import AutoModelForCausalLM
 
     import fp4sense_llmcompressor  # noqa: F401
-    from fp4sense.checkpoint import effective_bits
+    from fp4sense.checkpoint.checks import effective_bits
     from test_schemes import _calibration
 
     recipe = yaml.safe_load((REPO / "examples" / "sensitivity_guided_recipe.yaml").read_text())

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp4sense.fakequant import activation_quantizer, quantize_weights
-from fp4sense.schemes import MENU
+from fp4sense.numerics.fakequant import activation_quantizer, quantize_weights
+from fp4sense.numerics.schemes import MENU
 
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -61,11 +61,11 @@ def test_e2m1_rounding_equals_compressed_tensors_on_every_boundary():
 
     grid = torch.arange(-6.0, 6.0 + 1e-9, 1 / 64)  # every tie and boundary, both signs
     x = torch.cat([grid, (torch.randn(100_000) * 3).clamp(-6, 6)])
-    from fp4sense.e2m1 import round_to_e2m1
+    from fp4sense.numerics.e2m1 import round_to_e2m1
 
     assert torch.equal(round_to_e2m1(x), cast_to_fp4(x.clone()))
     # and the codes it stores name those values, sign of zero included
-    from fp4sense.e2m1 import E2M1_SIGN_BIT, E2M1_VALUES, e2m1_codes
+    from fp4sense.numerics.e2m1 import E2M1_SIGN_BIT, E2M1_VALUES, e2m1_codes
 
     codes = e2m1_codes(round_to_e2m1(x), x < 0)
     table = torch.tensor(E2M1_VALUES)
@@ -80,7 +80,7 @@ def test_activation_quantizer_equals_compressed_tensors_forward_quantize(scheme,
     from compressed_tensors.quantization.lifecycle.forward import forward_quantize
     from compressed_tensors.quantization.utils import generate_gparam
 
-    from fp4sense.schemes import to_quantization_scheme
+    from fp4sense.numerics.schemes import to_quantization_scheme
 
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(2, 33, 128, generator=g) * torch.logspace(-3, 2, 128)).to(dtype)

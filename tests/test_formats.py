@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ct_reference import as_bytes, reference, reference_global_scale, same_bits, special_weights
-from fp4sense import e2m1, fp4
-from fp4sense import formats as F
+from fp4sense.numerics import e2m1, fp4
+from fp4sense.numerics import formats as F
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 FORMATS = ["nvfp4", "mxfp4"]

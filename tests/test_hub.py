@@ -17,9 +17,9 @@ import pytest
 from huggingface_hub import ModelCard
 
 from conftest import FP4SENSE
-from fp4sense.hub import PushError, check_folder, validate_model_card
-from fp4sense.model_card import write_model_card
-from fp4sense.planner import Plan
+from fp4sense.planning.milp import Plan
+from fp4sense.publishing.hub import PushError, check_folder, validate_model_card
+from fp4sense.reports.model_card import write_model_card
 
 
 def _push(*args, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -119,7 +119,7 @@ def test_dry_run_lists_exactly_the_upload_and_touches_nothing(quantized, tiny_ll
 
 
 def test_card_for_repo_names_the_repo():
-    from fp4sense.hub import card_for_repo
+    from fp4sense.publishing.hub import card_for_repo
 
     card = "# x\n\n```bash\nvllm serve tiny-mixed\n```\n"
     assert card_for_repo(card, "acme/tiny-fp4") == "# x\n\n```bash\nvllm serve acme/tiny-fp4\n```\n"
@@ -275,7 +275,7 @@ def test_card_without_a_known_base_says_how_to_link_it(quantized):
 
 
 def test_base_inside_the_hub_cache_is_named_by_its_hub_id(tiny_llama, tmp_path):
-    from fp4sense.lineage import hub_id_of, public_name
+    from fp4sense.publishing.lineage import hub_id_of, public_name
 
     snapshot = tmp_path / "hub" / "models--acme--tiny-7b" / "snapshots" / "0123abcd"
     shutil.copytree(tiny_llama, snapshot)

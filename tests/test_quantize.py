@@ -112,7 +112,7 @@ def test_budget_out_of_reach_names_the_range(tiny_llama, text_file, tmp_path):
 @pytest.mark.slow
 def test_interrupted_quantize_leaves_nothing_that_looks_complete(tiny_llama, text_file,
                                                                 tmp_path, monkeypatch):
-    from fp4sense import quantize as quantize_module
+    from fp4sense.quantization import pipeline as quantize_module
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -145,7 +145,7 @@ def test_modifier_estimates_from_calibration_data_and_composes_with_gptq(tiny_ll
     from llmcompressor.modifiers.gptq import GPTQModifier
     from transformers import AutoModelForCausalLM
 
-    from fp4sense.checkpoint import check_checkpoint, effective_bits
+    from fp4sense.checkpoint.checks import check_checkpoint, effective_bits
     from fp4sense_llmcompressor import SensitivityGuidedModifier
     from test_schemes import _calibration
 
@@ -153,7 +153,7 @@ def test_modifier_estimates_from_calibration_data_and_composes_with_gptq(tiny_ll
     planner = SensitivityGuidedModifier(budget_bits=6.0, analysis_windows=2)
     oneshot(model=model, recipe=[planner, GPTQModifier()], dataset=_calibration(tiny_llama),
             num_calibration_samples=4, max_seq_length=64)
-    assert planner.applied_plan is not None and planner.applied_plan.score == "estimated"
+    assert planner.applied_plan is not None and planner.applied_plan.damage_source == "estimated"
     out = tmp_path / "gptq"
     model.save_pretrained(out, save_compressed=True)
     check_checkpoint(out)

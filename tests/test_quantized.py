@@ -14,7 +14,7 @@ def test_bake_weights_keeps_logits_bit_identical(scheme, tiny_llama):
     from transformers import AutoModelForCausalLM
 
     import fp4sense_llmcompressor  # noqa: F401
-    from fp4sense.quantized import bake_weights
+    from fp4sense.checkpoint.loading import bake_weights
     from test_schemes import _calibration
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)

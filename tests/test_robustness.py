@@ -79,7 +79,7 @@ def test_python_api_refuses_zero_windows(tiny_llama, text_file):
     from transformers import AutoTokenizer
 
     from fp4sense.api import analysis_windows
-    from fp4sense.data import DataError
+    from fp4sense.inputs.texts import DataError
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     with pytest.raises(DataError, match="at least 1"):

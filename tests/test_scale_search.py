@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from fp4sense import formats as F
-from fp4sense import fp4
-from fp4sense.scale_search import block_errors, search_block_scales
+from fp4sense.numerics import formats as F
+from fp4sense.numerics import fp4
+from fp4sense.numerics.scale_search import block_errors, search_block_scales
 
 FORMATS = ["nvfp4", "mxfp4"]
 
@@ -72,7 +72,7 @@ def test_bad_importance_is_refused():
 def test_searched_scales_store_in_standard_format():
     """Searched tensors decompress with compressed-tensors' own NVFP4 compressor."""
     from ct_reference import COMPRESSOR
-    from fp4sense.schemes import to_quantization_scheme
+    from fp4sense.numerics.schemes import to_quantization_scheme
 
     w = torch.randn(16, 64, dtype=torch.bfloat16)
     _, _, searched, gs = _amax_and_search_errors(w, "nvfp4")
@@ -88,7 +88,7 @@ def test_observer_uses_calibration_importance(fmt, scheme):
     from llmcompressor.observers import Observer
 
     import fp4sense_llmcompressor  # noqa: F401
-    from fp4sense.schemes import to_quantization_scheme
+    from fp4sense.numerics.schemes import to_quantization_scheme
 
     args = to_quantization_scheme(scheme, ["Linear"]).weights
     linear = torch.nn.Linear(64, 8, bias=False)

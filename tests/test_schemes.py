@@ -8,9 +8,15 @@ import pytest
 import torch
 
 from ct_reference import COMPRESSOR, as_bytes, same_bits
-from fp4sense import formats as F
-from fp4sense import fp4
-from fp4sense.schemes import MENU, SchemeError, bits_per_weight, get_scheme, to_quantization_scheme
+from fp4sense.numerics import formats as F
+from fp4sense.numerics import fp4
+from fp4sense.numerics.schemes import (
+    MENU,
+    SchemeError,
+    bits_per_weight,
+    get_scheme,
+    to_quantization_scheme,
+)
 
 EXPECTED_MENU = {"NVFP4", "NVFP4A16", "MXFP4", "MXFP4A16", "FP8_DYNAMIC", "INT8", "INT4", "BF16"}
 

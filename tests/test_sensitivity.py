@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from conftest import FP4SENSE
-from fp4sense.diagnosis.cache import EntryCache
-from fp4sense.diagnosis.engine import Analysis
-from fp4sense.sensitivity import (
+from fp4sense.diagnosis import (
     Entry,
     ReportError,
     SensitivityReport,
     analyze,
     correlations,
 )
-from fp4sense.units import UnitError, find_units
+from fp4sense.diagnosis.cache import EntryCache
+from fp4sense.diagnosis.engine import Analysis
+from fp4sense.diagnosis.units import UnitError, find_units
 
 
 def _random_windows(n=3, length=64, seed=0):

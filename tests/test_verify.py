@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import FP4SENSE
-from fp4sense.checkpoint import CheckpointError, check_checkpoint
+from fp4sense.checkpoint.checks import CheckpointError, check_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_cli_reports_corrupt_checkpoint_in_one_line(tiny_nvfp4, tmp_path):
 
 
 def test_serve_python_missing_is_explained(monkeypatch, tmp_path):
-    from fp4sense import verify
+    from fp4sense.evaluation import vllm_check as verify
 
     monkeypatch.delenv(verify.SERVE_PYTHON_ENV, raising=False)
     monkeypatch.setattr(verify.sys, "prefix", str(tmp_path / "venv"))
@@ -103,7 +103,7 @@ def _make_checkpoint(tiny_llama: Path, scheme: str, out: Path) -> Path:
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from transformers import AutoTokenizer
 
-    from fp4sense.schemes import to_quantization_scheme
+    from fp4sense.numerics.schemes import to_quantization_scheme
     from test_schemes import _calibration, _oneshot
 
     recipe = None
@@ -123,8 +123,8 @@ def _make_checkpoint(tiny_llama: Path, scheme: str, out: Path) -> Path:
 def test_checkpoint_passes_verify_vllm(scheme, tiny_llama, tmp_path, serve_python, assets):
     from transformers import AutoTokenizer
 
-    from fp4sense.data import protocol_windows
-    from fp4sense.verify import verify_vllm
+    from fp4sense.evaluation.vllm_check import verify_vllm
+    from fp4sense.inputs.texts import protocol_windows
 
     ck = _make_checkpoint(tiny_llama, scheme, tmp_path / scheme)
     qcfg = json.loads((ck / "config.json").read_text())["quantization_config"]
@@ -145,7 +145,7 @@ def smollm2_nvfp4(assets, tmp_path_factory) -> Path:
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from fp4sense.data import protocol_windows
+    from fp4sense.inputs.texts import protocol_windows
     from test_schemes import _oneshot
 
     tok = AutoTokenizer.from_pretrained(assets["model"])
@@ -180,13 +180,13 @@ def test_smollm2_nvfp4_passes_and_a_numerics_error_fails(smollm2_nvfp4, tmp_path
     checkpoint whose nibbles are swapped (a real numerics bug) fails by a wide margin."""
     from transformers import AutoTokenizer
 
-    from fp4sense.data import protocol_windows
-    from fp4sense.verify import (
+    from fp4sense.evaluation.vllm_check import (
         ACTIVATION_QUANT_TOLERANCE,
         compare_logprobs,
         reference_logprobs,
         run_vllm,
     )
+    from fp4sense.inputs.texts import protocol_windows
 
     # verify_vllm's steps one by one, so the single vLLM run serves both judgements
     check_checkpoint(smollm2_nvfp4)

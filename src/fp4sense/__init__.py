@@ -1,8 +1,16 @@
 """fp4sense: FP4 (NVFP4 / MXFP4) sensitivity diagnosis and mixed-precision planning.
 
 The core imports neither llm-compressor nor vLLM; the adapters live in ``plugins/``.
+The packages follow the pipeline: ``inputs`` -> ``diagnosis`` -> ``planning`` ->
+``quantization`` -> ``checkpoint`` -> ``evaluation`` -> ``reports`` / ``publishing``,
+with ``numerics`` beneath them all and ``cli`` / ``api`` as the front doors
+(docs/architecture.md).
 """
+
+from fp4sense import _moved
 
 __version__ = "0.4.0"
 
 __all__ = ["__version__"]
+
+_moved.install()

@@ -4,9 +4,9 @@
 >>> report = analyze_model(schemes=["NVFP4", "MXFP4"], views=["component", "block"],
 ...                        out_dir="analysis")          # doctest: +SKIP
 
-``quantize_model`` (:mod:`fp4sense.quantize`), ``evaluate_checkpoint``
-(:mod:`fp4sense.evaluation`) and ``load_model`` / ``analysis_windows``
-(:mod:`fp4sense.models`) are importable from here as well.
+``quantize_model`` (:mod:`fp4sense.quantization.pipeline`), ``evaluate_checkpoint``
+(:mod:`fp4sense.evaluation.evaluate`) and ``load_model`` / ``analysis_windows``
+(:mod:`fp4sense.inputs.models`) are importable from here as well.
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from fp4sense.evaluation import evaluate_checkpoint
-from fp4sense.lineage import text_name
-from fp4sense.models import (
+from fp4sense.diagnosis import SensitivityReport
+from fp4sense.evaluation.evaluate import evaluate_checkpoint
+from fp4sense.inputs.models import (
     BUNDLED_MODEL_NOTE,
     DEFAULT_ANALYSIS_WINDOWS,
     analysis_windows,
     load_model,
 )
-from fp4sense.quantize import quantize_model
-from fp4sense.sensitivity import SensitivityReport
+from fp4sense.publishing.lineage import text_name
+from fp4sense.quantization.pipeline import quantize_model
 
 __all__ = ["BUNDLED_MODEL_NOTE", "analysis_windows", "analyze_model", "evaluate_checkpoint",
            "load_model", "quantize_model"]
@@ -50,9 +50,9 @@ def analyze_model(
     """``fp4sense analyze``: analyze ``model`` and write sensitivity.json, report.md and
     plots into ``out_dir`` (when given). Results are cached (resumable) in the fp4sense
     cache, or in the folder ``cache`` names; ``cache=False`` turns that off."""
-    from fp4sense.assets import cache_dir
-    from fp4sense.report import write_analysis
-    from fp4sense.sensitivity import analyze, check_request
+    from fp4sense.diagnosis import analyze, check_request
+    from fp4sense.inputs.assets import cache_dir
+    from fp4sense.reports.analysis import write_analysis
     from fp4sense.validate import InputError, check_writable
 
     schemes = check_request(schemes, views, modes)  # bad input fails before loading

@@ -6,3 +6,26 @@ the Fisher estimate), ``cache`` keeps finished entries (resumable), ``offload`` 
 decoder block in memory at a time, ``stats`` holds the statistics over windows. A new
 view is one :func:`views.register_view` (its targets and how a measured run replays it).
 """
+
+
+from fp4sense.diagnosis.cache import cache_key
+from fp4sense.diagnosis.results import (
+    KL_ROUNDING,
+    REPORT_VERSION,
+    Entry,
+    ReportError,
+    SensitivityReport,
+)
+from fp4sense.diagnosis.stats import correlations
+from fp4sense.diagnosis.views import (
+    MODES,
+    REPORT_VIEWS,
+    VIEWS,
+    analyze,
+    check_request,
+    register_view,
+)
+
+__all__ = ["KL_ROUNDING", "MODES", "REPORT_VERSION", "REPORT_VIEWS", "VIEWS", "Entry",
+           "ReportError", "SensitivityReport", "analyze", "cache_key", "check_request",
+           "correlations", "register_view"]

@@ -16,9 +16,9 @@ from tqdm.auto import tqdm
 from fp4sense.diagnosis.cache import EntryCache
 from fp4sense.diagnosis.offload import BlockStore, Originals
 from fp4sense.diagnosis.stats import mean_se
-from fp4sense.fakequant import activation_quantizer, quantize_weights
-from fp4sense.metrics import window_metrics
-from fp4sense.units import Unit, UnitMap
+from fp4sense.diagnosis.units import Unit, UnitMap
+from fp4sense.evaluation.metrics import window_metrics
+from fp4sense.numerics.fakequant import activation_quantizer, quantize_weights
 
 __all__ = ["Analysis", "Perturbation"]
 

@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 from scipy import stats
 
-from fp4sense.diagnosis.report import SensitivityReport
+from fp4sense.diagnosis.results import SensitivityReport
 
 __all__ = ["correlations", "mean_se"]
 

@@ -9,7 +9,7 @@ fully quantized model), ``grid`` (every unit alone). The estimated mode scores e
 linear once and sums a target's linears, for every view alike.
 
 *Measured*: the real damage when only the perturbed units run fake-quantized
-(:mod:`fp4sense.fakequant`), as KL(base || quantized), ΔPPL and top-1 agreement on the
+(:mod:`fp4sense.numerics.fakequant`), as KL(base || quantized), ΔPPL and top-1 agreement on the
 analysis windows, each with its standard error over windows. The unquantized model's
 output of every block is cached once per window; a perturbation whose first changed
 block is ``b`` replays the cached output for blocks ``< b`` and computes only blocks
@@ -38,10 +38,10 @@ from tqdm.auto import tqdm
 
 from fp4sense.diagnosis.cache import EntryCache, cache_key
 from fp4sense.diagnosis.engine import Analysis, Perturbation
-from fp4sense.diagnosis.report import Entry, SensitivityReport
+from fp4sense.diagnosis.results import Entry, SensitivityReport
 from fp4sense.diagnosis.stats import correlations, mean_se
-from fp4sense.schemes import get_scheme
-from fp4sense.units import Unit, UnitMap, find_units, model_fingerprint, model_name
+from fp4sense.diagnosis.units import Unit, UnitMap, find_units, model_fingerprint, model_name
+from fp4sense.numerics.schemes import get_scheme
 
 __all__ = ["MODES", "REPORT_VIEWS", "VIEWS", "ReportView", "analyze", "check_request",
            "register_view", "view_options"]

@@ -12,7 +12,7 @@ Importing this package registers, with the hosts' own registries:
 
 from llmcompressor.modifiers.factory import ModifierFactory
 
-from fp4sense.schemes import register_presets
+from fp4sense.numerics.schemes import register_presets
 from fp4sense_llmcompressor.modifier import SensitivityGuidedModifier
 from fp4sense_llmcompressor.observers import ScaleSearchObserver
 

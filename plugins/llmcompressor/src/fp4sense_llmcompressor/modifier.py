@@ -2,7 +2,7 @@
 
 At initialization it takes a saved plan (``plan: plan.json``, as ``fp4sense quantize``
 writes and its recipe.yaml names), or reads (or computes) a sensitivity report and solves
-the budgeted plan with :func:`fp4sense.planner.solve`, and quantizes with the plan's
+the budgeted plan with :func:`fp4sense.planning.milp.solve`, and quantizes with the plan's
 config groups
 (``group_0 … group_N``, fused groups whole, lm_head and embeddings untouched). From
 then on it is llm-compressor's own QuantizationModifier: same calibration, same
@@ -32,10 +32,10 @@ from llmcompressor.core import State
 from llmcompressor.modifiers.quantization import QuantizationModifier
 from pydantic import PrivateAttr
 
-from fp4sense.planner import DEFAULT_MENU, Plan, PlanError, solve
-from fp4sense.schemes import get_scheme
-from fp4sense.sensitivity import SensitivityReport, analyze
-from fp4sense.units import model_fingerprint
+from fp4sense.diagnosis import SensitivityReport, analyze
+from fp4sense.diagnosis.units import model_fingerprint
+from fp4sense.numerics.schemes import get_scheme
+from fp4sense.planning.milp import DEFAULT_MENU, Plan, PlanError, solve
 
 __all__ = ["SensitivityGuidedModifier"]
 

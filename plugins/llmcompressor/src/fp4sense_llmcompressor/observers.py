@@ -2,7 +2,7 @@
 
 It computes the NVFP4 global scale exactly as llm-compressor's min-max observer does
 (shared across fused q/k/v and gate/up), then chooses each block scale with
-:func:`fp4sense.scale_search.search_block_scales`, weighting the error by the layer's
+:func:`fp4sense.numerics.scale_search.search_block_scales`, weighting the error by the layer's
 calibration inputs (E[x^2] per input channel, gathered by a forward pre-hook) when a
 calibration dataset is given, and by plain weight MSE otherwise.
 """
@@ -18,9 +18,9 @@ from llmcompressor.modifiers.utils.hooks import HooksMixin
 from llmcompressor.observers.base import Observer, QParamsDict
 from llmcompressor.observers.min_max import MemorylessMinMaxObserver
 
-from fp4sense.formats import decode_scales
-from fp4sense.scale_search import search_block_scales
-from fp4sense.schemes import SCALE_SEARCH_OBSERVER
+from fp4sense.numerics.formats import decode_scales
+from fp4sense.numerics.scale_search import search_block_scales
+from fp4sense.numerics.schemes import SCALE_SEARCH_OBSERVER
 
 __all__ = ["ScaleSearchObserver"]
 

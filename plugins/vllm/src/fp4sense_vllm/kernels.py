@@ -13,7 +13,7 @@ reuses what vLLM already has:
   ``dequantize_to_dtype``, then a plain linear.
 * MXFP4 (vLLM builds every compressed-tensors MXFP4 layer as W4A4, also for MXFP4A16
   checkpoints): :class:`CpuMxFp4EmulationKernel`, weights dequantized once and the
-  activations quantized per 32 with E8M0 scales, both with :mod:`fp4sense.formats`
+  activations quantized per 32 with E8M0 scales, both with :mod:`fp4sense.numerics.formats`
   (tested bit for bit against compressed-tensors).
 """
 
@@ -39,7 +39,7 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import 
 )
 from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp4Dynamic
 
-from fp4sense import e2m1, formats, fp4
+from fp4sense.numerics import e2m1, formats, fp4
 
 __all__ = ["CpuMxFp4EmulationKernel", "CpuNvFp4EmulationKernel", "CpuNvFp4W4A16Kernel"]
 

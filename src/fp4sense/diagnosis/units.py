@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from fp4sense.schemes import get_scheme
+from fp4sense.numerics.schemes import get_scheme
 
 __all__ = ["Unit", "UnitError", "UnitMap", "find_units", "short_kind"]
 
@@ -226,8 +226,8 @@ def short_kind(kind: str) -> str:
 
 def model_name(model: torch.nn.Module, fallback: str | os.PathLike = "") -> str:
     """How reports name a model: its Hub id where known, else its folder's name (never a
-    path of this machine; see :mod:`fp4sense.lineage`)."""
-    from fp4sense.lineage import public_name
+    path of this machine; see :mod:`fp4sense.publishing.lineage`)."""
+    from fp4sense.publishing.lineage import public_name
 
     config = getattr(model, "config", None)
     return public_name(str(getattr(config, "_name_or_path", "") or fallback))

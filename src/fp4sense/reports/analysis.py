@@ -1,6 +1,6 @@
 """Reports a person reads: Markdown with tables and findings in words, and PNG plots.
 
-Everything here reads a :class:`~fp4sense.sensitivity.SensitivityReport` (or its saved
+Everything here reads a :class:`~fp4sense.diagnosis.SensitivityReport` (or its saved
 JSON); nothing is computed twice.
 """
 
@@ -8,14 +8,23 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from fp4sense.sensitivity import Entry, SensitivityReport
-from fp4sense.units import short_kind
+from fp4sense.diagnosis import Entry, SensitivityReport
+from fp4sense.reports.plots import (
+    plot_blocks,
+    plot_components,
+    plot_grid,
+    protect_gain,
+    table_mode,
+)
 
-__all__ = ["plot_blocks", "plot_components", "plot_grid", "write_analysis"]
+__all__ = ["RENDERINGS", "Rendering", "findings", "markdown", "register_rendering",
+           "write_analysis"]
 
 #: A difference counts as real when it exceeds this many combined standard errors.
 SIGNIFICANT_SE = 2.0
@@ -30,134 +39,7 @@ def _fmt(value: float | None, se: float | None = None, digits: int = 4) -> str:
     return text
 
 
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def _mode_for(report: SensitivityReport, view: str, scheme: str) -> str | None:
-    for mode in ("measured", "estimated"):
-        if report.table(view, scheme, mode):
-            return mode
-    return None
-
-
-# --- plots ----------------------------------------------------------------------------
-def plot_components(report: SensitivityReport, path: Path) -> Path | None:
-    """Bars: KL per component kind, one bar per scheme, with ±SE whiskers (log scale)."""
-    schemes = [s for s in report.schemes if _mode_for(report, "component", s)]
-    if not schemes:
-        return None
-    plt = pyplot()
-    targets = list(report.table("component", schemes[0], _mode_for(report, "component",
-                                                                   schemes[0])))
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(targets)), 4))
-    width = 0.8 / len(schemes)
-    for i, scheme in enumerate(schemes):
-        mode = _mode_for(report, "component", scheme)
-        table = report.table("component", scheme, mode)
-        kl = [table[t].kl if t in table else np.nan for t in targets]
-        se = [table[t].kl_se if t in table else 0 for t in targets]
-        x = np.arange(len(targets)) + (i - (len(schemes) - 1) / 2) * width
-        ax.bar(x, kl, width, yerr=np.nan_to_num(se), capsize=2, label=f"{scheme} ({mode})")
-    ax.set_xticks(np.arange(len(targets)), [short_kind(t)
-                                            for t in targets], rotation=30, ha="right")
-    ax.set_yscale("log")
-    ax.set_ylabel("KL(base ‖ quantized) per token")
-    ax.set_title("Component view: one kind quantized in every block")
-    ax.legend()
-    return save_figure(fig, path)
-
-
-def plot_blocks(report: SensitivityReport, path: Path) -> Path | None:
-    """Curves over block index: isolate KL, and the KL saved by protecting the block."""
-    schemes = [s for s in report.schemes if report.table("block_isolate", s, "measured")
-               or report.table("block_isolate", s, "estimated")]
-    if not schemes:
-        return None
-    plt = pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for scheme in schemes:
-        mode = _mode_for(report, "block_isolate", scheme)
-        iso = report.table("block_isolate", scheme, mode)
-        blocks = sorted(int(b) for b in iso)
-        kl = np.array([iso[str(b)].kl for b in blocks])
-        se = np.nan_to_num(np.array([iso[str(b)].kl_se for b in blocks]))
-        line, = ax1.plot(blocks, kl, marker=".", label=f"{scheme} ({mode})")
-        ax1.fill_between(blocks, kl - se, kl + se, alpha=0.2, color=line.get_color())
-        gain = protect_gain(report, scheme, mode)
-        if gain:
-            b2 = sorted(int(b) for b in gain)
-            ax2.plot(b2, [gain[str(b)] for b in b2], marker=".", color=line.get_color(),
-                     label=f"{scheme} ({mode})")
-    ax1.set_title("Isolate: only this block quantized")
-    ax1.set_xlabel("decoder block")
-    ax1.set_ylabel("KL per token")
-    ax1.set_yscale("log")
-    ax1.legend()
-    ax2.set_title("Protect: KL saved by keeping this block in 16 bits")
-    ax2.set_xlabel("decoder block")
-    ax2.set_ylabel("KL(all quantized) − KL(all but this block)")
-    ax2.axhline(0, color="grey", lw=0.5)
-    ax2.legend()
-    return save_figure(fig, path)
-
-
-def plot_grid(report: SensitivityReport, path: Path) -> Path | None:
-    """Heatmap unit kind × block of the grid view, one panel per scheme (log colour)."""
-    panels = [(s, _mode_for(report, "grid", s)) for s in report.schemes]
-    panels = [(s, m) for s, m in panels if m]
-    if not panels:
-        return None
-    plt = pyplot()
-    from matplotlib.colors import LogNorm
-
-    kinds = report.units.kinds
-    n_blocks = report.units.n_blocks
-    height = len(panels) * (1.3 + 0.4 * len(kinds))
-    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 0.3 * n_blocks), height),
-                             squeeze=False)
-    for ax, (scheme, mode) in zip(axes[:, 0], panels, strict=True):
-        table = report.table("grid", scheme, mode)
-        grid = np.full((len(kinds), n_blocks), np.nan)
-        for unit in report.units.units:
-            if unit.name in table:
-                grid[kinds.index(unit.kind), unit.block] = max(table[unit.name].kl, 1e-9)
-        finite = grid[np.isfinite(grid)]
-        norm = LogNorm(vmin=max(finite.min(), finite.max() * 1e-4), vmax=finite.max()) \
-            if finite.size else None
-        im = ax.imshow(grid, aspect="auto", cmap="magma_r", norm=norm)
-        ax.set_yticks(range(len(kinds)), [short_kind(k)
-                                          for k in kinds])
-        ax.set_xlabel("decoder block")
-        ax.set_title(f"Grid: each unit alone, {scheme} ({mode}; KL per token)")
-        fig.colorbar(im, ax=ax)
-    return save_figure(fig, path)
-
-
 # --- words and tables -----------------------------------------------------------------
-def protect_gain(report: SensitivityReport, scheme: str, mode: str) -> dict[str, float]:
-    """block -> KL(all quantized) - KL(all but this block)."""
-    everything = report.table("model", scheme, mode).get("all")
-    protect = report.table("block_protect", scheme, mode)
-    if everything is None:
-        return {}
-    return {b: everything.kl - e.kl for b, e in protect.items()}
-
-
 def _separable(a: Entry, b: Entry) -> bool | None:
     """Whether two entries differ beyond noise (None: no uncertainty, one window)."""
     if math.isnan(a.kl_se) or math.isnan(b.kl_se):
@@ -170,7 +52,7 @@ def findings(report: SensitivityReport) -> list[str]:
     out = []
     totals = {}
     for scheme in report.schemes:
-        mode = _mode_for(report, "component", scheme)
+        mode = table_mode(report, "component", scheme)
         if mode:
             ranked = sorted(report.table("component", scheme, mode).values(),
                             key=lambda e: e.kl, reverse=True)
@@ -186,7 +68,7 @@ def findings(report: SensitivityReport) -> list[str]:
                 f"`{least.target}` hurts least (KL {_fmt(least.kl, least.kl_se)})."
                 + (f" Among whole units, `{units[0].target}` leads."
                    if units and units[0] is not top else ""))
-        mode = _mode_for(report, "block_isolate", scheme)
+        mode = table_mode(report, "block_isolate", scheme)
         if mode:
             iso = sorted(report.table("block_isolate", scheme, mode).values(),
                          key=lambda e: e.kl, reverse=True)
@@ -242,6 +124,89 @@ def _outlier_rows(report: SensitivityReport) -> list[str]:
     return rows
 
 
+# --- renderings: one per report view, registered beside its plot ------------------------
+@dataclass(frozen=True)
+class Rendering:
+    """How report.md shows a view: its tables, and a plot saved as ``plot_name``.png.
+    ``also`` names views shown inside this one (the blocks rendering shows the protect
+    and whole-model views); a view without a rendering gets a plain table."""
+
+    view: str
+    tables: Callable[[SensitivityReport], list[str]]
+    plot: Callable[[SensitivityReport, Path], Path | None] | None = None
+    plot_name: str | None = None
+    title: str | None = None
+    also: tuple[str, ...] = ()
+
+
+RENDERINGS: dict[str, Rendering] = {}
+
+
+def register_rendering(view: str, *, plot=None, plot_name: str | None = None,
+                       title: str | None = None, also: tuple[str, ...] = ()):
+    """Decorator on a tables function ``report -> Markdown lines``: renders the report
+    view ``view`` (registered in :mod:`fp4sense.diagnosis.views`) in report.md, with
+    ``plot`` saved as ``plot_name``.png."""
+    def deco(tables):
+        RENDERINGS[view] = Rendering(view, tables, plot, plot_name, title, also)
+        return tables
+    return deco
+
+
+@register_rendering("component", plot=plot_components, plot_name="components",
+                    title="Components")
+def _component_tables(report: SensitivityReport) -> list[str]:
+    lines = []
+    for scheme, mode, table in _tables(report, "component"):
+        lines += [f"### Components, {scheme} ({mode})", "",
+                  "| component | KL | ΔPPL | top-1 agreement |", "|---|---|---|---|"]
+        lines += [f"| {e.target} | {_fmt(e.kl, e.kl_se)} | {_fmt(e.dppl, e.dppl_se, 3)} | "
+                  f"{_fmt(e.top1, e.top1_se, 3)} |"
+                  for e in sorted(table.values(), key=lambda e: e.kl, reverse=True)]
+        lines.append("")
+    return lines
+
+
+@register_rendering("block_isolate", plot=plot_blocks, plot_name="blocks", title="Blocks",
+                    also=("block_protect", "model"))
+def _block_tables(report: SensitivityReport) -> list[str]:
+    lines = []
+    for scheme, mode, iso in _tables(report, "block_isolate"):
+        gain = protect_gain(report, scheme, mode)
+        lines += [f"### Blocks, {scheme} ({mode})", "",
+                  "| block | isolate KL | isolate ΔPPL | protect: KL saved |",
+                  "|---|---|---|---|"]
+        lines += [f"| {b} | {_fmt(iso[b].kl, iso[b].kl_se)} | "
+                  f"{_fmt(iso[b].dppl, iso[b].dppl_se, 3)} | {_fmt(gain.get(b))} |"
+                  for b in sorted(iso, key=int)]
+        lines.append("")
+    return lines
+
+
+@register_rendering("grid", plot=plot_grid, plot_name="grid", title="Unit × block grid")
+def _grid_tables(report: SensitivityReport) -> list[str]:
+    lines = []
+    for scheme, mode, grid in _tables(report, "grid"):
+        lines += [f"### Most sensitive units, {scheme} ({mode}; {len(grid)} units)", "",
+                  "| unit | KL |", "|---|---|"]
+        lines += [f"| {e.target} | {_fmt(e.kl, e.kl_se, 5)} |"
+                  for e in sorted(grid.values(), key=lambda e: e.kl, reverse=True)[:10]]
+        lines.append("")
+    return lines
+
+
+def _generic_tables(report: SensitivityReport, view: str) -> list[str]:
+    lines = []
+    for scheme, mode, table in _tables(report, view):
+        lines += [f"### View {view}, {scheme} ({mode})", "",
+                  "| target | KL | ΔPPL | top-1 agreement |", "|---|---|---|---|"]
+        lines += [f"| {e.target} | {_fmt(e.kl, e.kl_se)} | {_fmt(e.dppl, e.dppl_se, 3)} | "
+                  f"{_fmt(e.top1, e.top1_se, 3)} |"
+                  for e in sorted(table.values(), key=lambda e: e.kl, reverse=True)]
+        lines.append("")
+    return lines
+
+
 def markdown(report: SensitivityReport, plots: dict[str, str], notes: list[str]) -> str:
     """The analysis as a Markdown page (plots linked relatively)."""
     t = report.text
@@ -262,33 +227,14 @@ def markdown(report: SensitivityReport, plots: dict[str, str], notes: list[str])
         *[f"- {f}" for f in findings(report)],
         "",
     ]
-    for key, title in (("components", "Components"), ("blocks", "Blocks"),
-                       ("grid", "Unit × block grid")):
-        if key in plots:
-            lines += [f"![{title}]({plots[key]})", ""]
-
-    for scheme, mode, table in _tables(report, "component"):
-        lines += [f"### Components, {scheme} ({mode})", "",
-                  "| component | KL | ΔPPL | top-1 agreement |", "|---|---|---|---|"]
-        lines += [f"| {e.target} | {_fmt(e.kl, e.kl_se)} | {_fmt(e.dppl, e.dppl_se, 3)} | "
-                  f"{_fmt(e.top1, e.top1_se, 3)} |"
-                  for e in sorted(table.values(), key=lambda e: e.kl, reverse=True)]
-        lines.append("")
-    for scheme, mode, iso in _tables(report, "block_isolate"):
-        gain = protect_gain(report, scheme, mode)
-        lines += [f"### Blocks, {scheme} ({mode})", "",
-                  "| block | isolate KL | isolate ΔPPL | protect: KL saved |",
-                  "|---|---|---|---|"]
-        lines += [f"| {b} | {_fmt(iso[b].kl, iso[b].kl_se)} | "
-                  f"{_fmt(iso[b].dppl, iso[b].dppl_se, 3)} | {_fmt(gain.get(b))} |"
-                  for b in sorted(iso, key=int)]
-        lines.append("")
-    for scheme, mode, grid in _tables(report, "grid"):
-        lines += [f"### Most sensitive units, {scheme} ({mode}; {len(grid)} units)", "",
-                  "| unit | KL |", "|---|---|"]
-        lines += [f"| {e.target} | {_fmt(e.kl, e.kl_se, 5)} |"
-                  for e in sorted(grid.values(), key=lambda e: e.kl, reverse=True)[:10]]
-        lines.append("")
+    for r in RENDERINGS.values():
+        if r.plot_name in plots:
+            lines += [f"![{r.title}]({plots[r.plot_name]})", ""]
+    shown = {v for r in RENDERINGS.values() for v in (r.view, *r.also)}
+    for r in RENDERINGS.values():
+        lines += r.tables(report)
+    for view in sorted({v for v, _, _ in report.views()} - shown):
+        lines += _generic_tables(report, view)
     if report.correlations:
         lines += ["### Estimated vs measured", "", "| view | scheme | targets | Spearman ρ |",
                   "|---|---|---|---|"]
@@ -335,28 +281,12 @@ def write_analysis(report: SensitivityReport, out_dir: str | os.PathLike,
     paths = {"sensitivity": report.save(out / "sensitivity.json")}
     made: dict[str, str] = {}
     if plots:
-        for key, fn in (("components", plot_components), ("blocks", plot_blocks),
-                        ("grid", plot_grid)):
-            p = fn(report, out / f"{key}.png")
+        for r in RENDERINGS.values():
+            p = r.plot(report, out / f"{r.plot_name}.png") if r.plot else None
             if p is not None:
-                paths[key] = p
-                made[key] = p.name
+                paths[r.plot_name] = p
+                made[r.plot_name] = p.name
     md = out / "report.md"
     md.write_text(markdown(report, made, notes or []))
     paths["report"] = md
     return paths
-
-
-# --- compatibility: the model card moved to fp4sense.model_card --------------------------
-def __getattr__(name: str):
-    """``fp4sense.report.write_model_card`` / ``plot_plan`` of 0.3: deprecated aliases of
-    :mod:`fp4sense.model_card` for one release."""
-    if name in ("write_model_card", "plot_plan", "SCHEME_COLOURS"):
-        import warnings
-
-        from fp4sense import model_card
-
-        warnings.warn(f"fp4sense.report.{name} moved to fp4sense.model_card.{name}; the "
-                      "alias goes in 0.5", DeprecationWarning, stacklevel=2)
-        return getattr(model_card, name)
-    raise AttributeError(f"module 'fp4sense.report' has no attribute {name!r}")

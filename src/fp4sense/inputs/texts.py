@@ -40,7 +40,7 @@ def load_text(source: str | os.PathLike | None = None, split: str = "calibration
     the cache if missing).
     """
     if source is None:
-        from fp4sense.assets import ensure_text
+        from fp4sense.inputs.assets import ensure_text
 
         return ensure_text()[split].read_text(encoding="utf-8")
     text_source = str(source)

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from fp4sense import __version__
-from fp4sense.cli_args import (
+from fp4sense.cli.arguments import (
     analyze_args,
     convert_gguf_args,
     eval_args,
@@ -76,7 +76,7 @@ def _stdout_for_json(enabled: bool):
 
 
 def _cmd_setup(args: argparse.Namespace) -> int:
-    from fp4sense.assets import ensure_assets
+    from fp4sense.inputs.assets import ensure_assets
 
     paths = ensure_assets()
     if args.json:
@@ -88,7 +88,7 @@ def _cmd_setup(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert_gguf(args: argparse.Namespace) -> int:
-    from fp4sense.gguf import convert_gguf
+    from fp4sense.inputs.gguf import convert_gguf
 
     out = convert_gguf(args.gguf, args.out, overwrite=args.overwrite, name_or_path=args.name)
     _emit_json({"out": str(out)}) if args.json else print(f"wrote {out}")
@@ -96,7 +96,7 @@ def _cmd_convert_gguf(args: argparse.Namespace) -> int:
 
 
 def _cmd_schemes(args: argparse.Namespace) -> int:
-    from fp4sense.schemes import MENU, bits_per_weight
+    from fp4sense.numerics.schemes import MENU, bits_per_weight
 
     rows = [
         {
@@ -122,9 +122,9 @@ def _cmd_schemes(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify_vllm(args: argparse.Namespace) -> int:
-    from fp4sense.checkpoint import check_checkpoint, checkpoint_tokenizer
-    from fp4sense.data import protocol_windows
-    from fp4sense.verify import Tolerance, verify_vllm
+    from fp4sense.checkpoint.checks import check_checkpoint, checkpoint_tokenizer
+    from fp4sense.evaluation.vllm_check import Tolerance, verify_vllm
+    from fp4sense.inputs.texts import protocol_windows
 
     check_checkpoint(args.checkpoint)  # before the tokenizer: a missing folder is one line
     tokenizer = checkpoint_tokenizer(args.checkpoint)
@@ -160,7 +160,7 @@ def _csv(value: str) -> list[str]:
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
     from fp4sense.api import analyze_model
-    from fp4sense.report import findings
+    from fp4sense.reports.analysis import findings
 
     modes = ["measured", "estimated"] if args.mode == "both" else [args.mode]
     report = analyze_model(
@@ -247,7 +247,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_push(args: argparse.Namespace) -> int:
-    from fp4sense.hub import push
+    from fp4sense.publishing.hub import push
 
     result = push(args.checkpoint, args.repo_id, private=args.private, dry_run=args.dry_run,
                   revision=args.revision, commit_message=args.message,
@@ -315,10 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_command(action: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Run one command; map the errors users can fix to one line and an exit code."""
-    from fp4sense.assets import AssetError
-    from fp4sense.gguf import GGUFConversionError
-    from fp4sense.hub import HubError
-    from fp4sense.verify import VerifyError
+    from fp4sense.evaluation.vllm_check import VerifyError
+    from fp4sense.inputs.assets import AssetError
+    from fp4sense.inputs.gguf import GGUFConversionError
+    from fp4sense.publishing.hub import HubError
 
     codes = ((AssetError, EXIT_ASSET_ERROR), (HubError, EXIT_HUB_ERROR),
              (GGUFConversionError, EXIT_USER_ERROR), (VerifyError, EXIT_USER_ERROR),

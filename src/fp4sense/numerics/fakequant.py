@@ -3,7 +3,7 @@
 The sensitivity analysis perturbs one unit at a time and needs, fast and without
 llm-compressor's calibration machinery, the same numbers a checkpoint would carry:
 
-- FP4 weights go through :mod:`fp4sense.formats` (bit for bit compressed-tensors'),
+- FP4 weights go through :mod:`fp4sense.numerics.formats` (bit for bit compressed-tensors'),
   with the NVFP4 global scale shared by the parts of a fused group, as llm-compressor
   writes it;
 - FP8 / INT8 / INT4 weights use compressed-tensors' own ``calculate_qparams`` and
@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fp4sense import formats, fp4
-from fp4sense.schemes import Scheme, get_scheme, to_quantization_scheme
+from fp4sense.numerics import formats, fp4
+from fp4sense.numerics.schemes import Scheme, get_scheme, to_quantization_scheme
 
 __all__ = ["activation_quantizer", "quantize_weights"]
 
@@ -78,7 +78,7 @@ def activation_quantizer(
     the scheme keeps activations in 16 bits. NVFP4 needs ``input_amax`` (its static
     input global scale is made from it, as llm-compressor calibrates it).
 
-    FP4 inputs go through :func:`fp4sense.fp4.quantize_dequantize_activations`, the
+    FP4 inputs go through :func:`fp4sense.numerics.fp4.quantize_dequantize_activations`, the
     one activation quantizer; FP8 / INT8 through compressed-tensors' ``forward_quantize``.
     """
     from compressed_tensors.quantization import QuantizationStatus

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from fp4sense.evaluation import evaluate_checkpoint
-from fp4sense.lineage import text_name
-from fp4sense.models import DEFAULT_ANALYSIS_WINDOWS, analysis_windows, load_model
+from fp4sense.evaluation.evaluate import evaluate_checkpoint
+from fp4sense.inputs.models import DEFAULT_ANALYSIS_WINDOWS, analysis_windows, load_model
+from fp4sense.publishing.lineage import text_name
 
 __all__ = ["quantize_model"]
 
@@ -48,7 +48,7 @@ def quantize_model(
     ``base_model_id`` names the base model's Hub id for the model card's lineage
     (``base_model``) where it cannot be derived (a local folder outside the Hugging Face
     cache). Shared files name the base and the text without local paths (see
-    :mod:`fp4sense.lineage`).
+    :mod:`fp4sense.publishing.lineage`).
 
     Works in a temporary folder beside ``out_dir`` and renames it at the end, so an
     interrupted run never leaves a checkpoint that looks complete. Without
@@ -58,11 +58,11 @@ def quantize_model(
     import tempfile
     import time
 
-    from fp4sense.assets import default_model_path
-    from fp4sense.lineage import hub_id_of, public_name, write_local_record
-    from fp4sense.planner import plan_cost, solve
-    from fp4sense.schemes import get_scheme
-    from fp4sense.sensitivity import analyze
+    from fp4sense.diagnosis import analyze
+    from fp4sense.inputs.assets import default_model_path
+    from fp4sense.numerics.schemes import get_scheme
+    from fp4sense.planning.milp import plan_cost, solve
+    from fp4sense.publishing.lineage import hub_id_of, public_name, write_local_record
     from fp4sense.validate import check_output_folder, remove_dead_partials, write_owner
 
     out = Path(out_dir)
@@ -92,8 +92,8 @@ def quantize_model(
     try:
         write_owner(work)  # a later run may remove this folder once this process is gone
         if sensitivity is not None:
-            from fp4sense.sensitivity import SensitivityReport
-            from fp4sense.units import model_fingerprint
+            from fp4sense.diagnosis import SensitivityReport
+            from fp4sense.diagnosis.units import model_fingerprint
 
             report = SensitivityReport.load(sensitivity, model_fingerprint(hf_model))
         else:
@@ -125,7 +125,7 @@ def quantize_model(
         (work / "recipe.yaml").write_text(recipe)
 
         result = {"plan": {"schemes": plan.schemes(), "bits_theory": plan.bits,
-                           "predicted_kl": plan.predicted_kl, "score": plan.score}}
+                           "predicted_kl": plan.predicted_kl, "damage_source": plan.damage_source}}
         if evaluate:
             t = time.perf_counter()
             result["eval"] = evaluate_checkpoint(work, base=source, n_windows=eval_windows,
@@ -136,7 +136,7 @@ def quantize_model(
             timings["eval_s"] = time.perf_counter() - t
         timings["total_s"] = time.perf_counter() - t0
         result["timings"] = {k: round(v, 1) for k, v in timings.items()}
-        from fp4sense.model_card import write_model_card
+        from fp4sense.reports.model_card import write_model_card
 
         write_local_record(work, base=source, text=text)
         write_model_card(work, plan, result.get("eval"), source=source, hub_id=hub_id,
@@ -162,8 +162,8 @@ def _check_plan_quantizes(plan, budget_bits: float | None, budget_bytes: int | N
                           lo: float, hi: float, numel: int, log: Callable[[str], None]) -> None:
     """A budget above what the menu can use plans at the menu's top (said in a note); a
     plan that quantizes nothing is refused: it would not be a quantized checkpoint."""
-    from fp4sense.planner import PlanError
-    from fp4sense.schemes import get_scheme
+    from fp4sense.numerics.schemes import get_scheme
+    from fp4sense.planning.milp import PlanError
 
     asked = budget_bits if budget_bits is not None else (
         budget_bytes * 8 / numel if budget_bytes is not None else None)
@@ -181,6 +181,6 @@ def _oneshot_plan(source: str, calib: torch.Tensor, work: Path, *, plan: str, gp
                   ) -> str:
     """Apply the plan saved as ``work / plan`` with the registered quantizer (the
     llm-compressor plugin's oneshot); return the recipe YAML that reproduces it."""
-    from fp4sense.hosts import quantizer
+    from fp4sense.quantization.hosts import quantizer
 
     return quantizer()(source, calib, work, plan=plan, gptq=gptq)

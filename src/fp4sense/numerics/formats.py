@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from fp4sense.e2m1 import E2M1_MAX, E2M1Error
+from fp4sense.numerics.e2m1 import E2M1_MAX, E2M1Error
 
 __all__ = [
     "E4M3_MAX",
@@ -40,7 +40,7 @@ __all__ = [
     "register_format",
 ]
 
-# --- named constants (no magic numbers below; E2M1's own are in fp4sense.e2m1) -----
+# --- named constants (no magic numbers below; E2M1's own are in fp4sense.numerics.e2m1) -----
 E4M3_MAX = 448.0
 #: compressed-tensors replaces an E4M3 block scale of 0 (an all-zero block) by this
 E4M3_ZERO_SCALE = 0.125
@@ -324,30 +324,3 @@ def decode_scales(
 ) -> torch.Tensor:
     """Stored block scales -> the float32 step of each block (what one code unit is worth)."""
     return get_format(fmt).decode_scales(scales, global_scale)
-
-
-# --- codes --------------------------------------------------------------------------
-
-
-# --- compatibility: 0.3 names that moved ----------------------------------------------
-_MOVED = {**{n: "fp4" for n in ("compress", "decompress", "dequantize_codes",
-                                "quantize_dequantize", "quantize_dequantize_activations",
-                                "quantize_to_codes")},
-          **{n: "e2m1" for n in ("E2M1_MAX", "E2M1_VALUES", "E2M1_SIGN_BIT",
-                                 "E2M1_MAGNITUDE_MASK", "pack_codes", "unpack_codes")}}
-
-
-def __getattr__(name: str):
-    """``fp4sense.formats.compress`` and the other names of 0.3 that moved to
-    :mod:`fp4sense.fp4` (tensor functions) and :mod:`fp4sense.e2m1` (the element):
-    deprecated aliases for one release."""
-    if name in _MOVED:
-        import warnings
-
-        from fp4sense import e2m1, fp4
-
-        module = fp4 if _MOVED[name] == "fp4" else e2m1
-        warnings.warn(f"fp4sense.formats.{name} moved to {module.__name__}.{name}; the "
-                      "alias goes in 0.5", DeprecationWarning, stacklevel=2)
-        return getattr(module, name)
-    raise AttributeError(f"module 'fp4sense.formats' has no attribute {name!r}")

@@ -153,7 +153,7 @@ def check_folder(folder: str | os.PathLike, allow_local_paths: bool = False) -> 
     JSON file that records absolute paths of this machine (unless ``allow_local_paths``:
     then they are notes; checkpoints of fp4sense before 0.4 record them).
     """
-    from fp4sense.checkpoint import (
+    from fp4sense.checkpoint.checks import (
         TOKENIZER_CONFIG,
         VOCABULARIES,
         CheckpointError,

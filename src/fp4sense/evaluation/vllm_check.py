@@ -27,19 +27,16 @@ from pathlib import Path
 
 import torch
 
-# the checkpoint checker moved to fp4sense.checkpoint; kept importable from here
-from fp4sense.checkpoint import CheckpointError, check_checkpoint, tensor_index
+# the one checkpoint checker (eval, push and this comparison share it)
+from fp4sense.checkpoint.checks import check_checkpoint
 
 __all__ = [
-    "CheckpointError",
     "ACTIVATION_QUANT_TOLERANCE",
     "DEFAULT_TOLERANCE",
     "WEIGHT_ONLY_TOLERANCE",
     "Tolerance",
     "VerifyError",
     "VerifyResult",
-    "check_checkpoint",
-    "tensor_index",
     "compare_logprobs",
     "find_serve_python",
     "reference_logprobs",
@@ -119,8 +116,8 @@ def reference_logprobs(folder: str | os.PathLike, windows: torch.Tensor,
                        notes: list[str] | None = None) -> tuple[list[list[float]], int]:
     """Per-token log-probs from transformers' own load of the checkpoint, in float32,
     and the number of layers whose activations are quantized."""
-    from fp4sense.metrics import next_token_logprobs
-    from fp4sense.quantized import load_checkpoint
+    from fp4sense.checkpoint.loading import load_checkpoint
+    from fp4sense.evaluation.metrics import next_token_logprobs
 
     model, act_layers, added = load_checkpoint(folder, promote_mxfp4=True)
     if notes is not None:

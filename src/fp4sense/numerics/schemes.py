@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp4sense.formats import BITS_PER_BYTE, FLOAT32_BYTES, get_format
+from fp4sense.numerics.formats import BITS_PER_BYTE, FLOAT32_BYTES, get_format
 
 __all__ = [
     "MENU",

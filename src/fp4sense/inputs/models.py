@@ -25,12 +25,12 @@ def load_model(source: str | os.PathLike | None = None, dtype: torch.dtype = tor
     (weights transformers would initialize at random), and NaN/Inf weights (by module)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fp4sense.lineage import is_hub_id
+    from fp4sense.publishing.lineage import is_hub_id
     from fp4sense.validate import InputError
 
     notes: list[str] = []
     if source is None:
-        from fp4sense.assets import ensure_model
+        from fp4sense.inputs.assets import ensure_model
 
         source = ensure_model(log=lambda msg: None)
         notes.append(BUNDLED_MODEL_NOTE)
@@ -77,6 +77,6 @@ def analysis_windows(tokenizer, text: str | os.PathLike | None = None, n_windows
                      DEFAULT_ANALYSIS_WINDOWS, window_tokens: int = 512) -> torch.Tensor:
     """Analysis windows: the protocol's calibration split, or ``text`` (a file path or
     ``dataset:NAME[:CONFIG][:SPLIT]``). Never the evaluation split."""
-    from fp4sense.data import protocol_windows
+    from fp4sense.inputs.texts import protocol_windows
 
     return protocol_windows(tokenizer, "calibration", n_windows, text, window_tokens)

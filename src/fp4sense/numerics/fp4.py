@@ -1,6 +1,6 @@
 """FP4 tensors: compress a weight to what compressed-tensors stores, decompress it, and
 fake-quantize weights and activations — the functions that act on the formats that
-:mod:`fp4sense.formats` describes.
+:mod:`fp4sense.numerics.formats` describes.
 
 Everything here is plain torch and is tested bit for bit against compressed-tensors
 (its compressors and its fake quantization) and against the checkpoints llm-compressor
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from fp4sense.e2m1 import (
+from fp4sense.numerics.e2m1 import (
     E2M1_MAGNITUDE_MASK,
     E2M1_MAX,
     E2M1_SIGN_BIT,
@@ -21,7 +21,7 @@ from fp4sense.e2m1 import (
     round_to_e2m1,
     unpack_codes,
 )
-from fp4sense.formats import (
+from fp4sense.numerics.formats import (
     FormatError,
     FP4Format,
     _blocks,
@@ -107,7 +107,7 @@ def compress(
     :param global_scale: NVFP4 only; pass the fused group's shared value (see
         :func:`global_scale`), else it is computed from ``weight`` alone
     :param scales: block scales in stored form (E4M3 / E8M0 uint8) to use instead of
-        the amax choice (e.g. from :mod:`fp4sense.scale_search`)
+        the amax choice (e.g. from :mod:`fp4sense.numerics.scale_search`)
     :param name: the tensor's name, used in error messages
     :return: ``weight_packed``, ``weight_scale`` and, for NVFP4, ``weight_global_scale``
     """

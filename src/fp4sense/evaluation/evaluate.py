@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from fp4sense.models import load_model
+from fp4sense.inputs.models import load_model
 
 __all__ = ["evaluate_checkpoint"]
 
@@ -33,11 +33,11 @@ def evaluate_checkpoint(
     as files that may be shared do, never by their paths on this machine.
     """
 
-    from fp4sense.checkpoint import check_checkpoint, checkpoint_tokenizer, effective_bits
-    from fp4sense.data import PROTOCOL_EVAL_TEXT, protocol_windows
-    from fp4sense.lineage import public_name
-    from fp4sense.metrics import compare_models
-    from fp4sense.quantized import load_checkpoint
+    from fp4sense.checkpoint.checks import check_checkpoint, checkpoint_tokenizer, effective_bits
+    from fp4sense.checkpoint.loading import load_checkpoint
+    from fp4sense.evaluation.metrics import compare_models
+    from fp4sense.inputs.texts import PROTOCOL_EVAL_TEXT, protocol_windows
+    from fp4sense.publishing.lineage import public_name
 
     folder = Path(checkpoint)
     check_checkpoint(folder)
@@ -84,7 +84,7 @@ def _recorded_base(folder: Path) -> str:
     """The base model a checkpoint was made from: the local path fp4sense recorded on
     this machine, else the Hub id or folder plan.json and config.json name."""
 
-    from fp4sense.lineage import is_hub_id, local_record
+    from fp4sense.publishing.lineage import is_hub_id, local_record
 
     candidates = [local_record(folder).get("base")]
     plan = folder / "plan.json"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fp4sense.report import pyplot, save_figure
-from fp4sense.schemes import get_scheme
-from fp4sense.units import short_kind
+from fp4sense.diagnosis.units import short_kind
+from fp4sense.numerics.schemes import get_scheme
+from fp4sense.reports.plots import pyplot, save_figure
 
 __all__ = ["SCHEME_COLOURS", "plot_plan", "write_model_card"]
 
@@ -53,7 +53,7 @@ def plot_plan(plan, path: Path) -> Path:
 def _license(source: str, hub_id: str | None) -> dict:
     """The base model's license fields, where known: the bundled model's, a local folder's
     model card, or (for a model taken from the Hub) its card there; {} when unknown."""
-    from fp4sense.assets import MODEL_BASE_ID, MODEL_LICENSE
+    from fp4sense.inputs.assets import MODEL_BASE_ID, MODEL_LICENSE
 
     if hub_id == MODEL_BASE_ID:
         return {"license": MODEL_LICENSE}
@@ -83,12 +83,12 @@ def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str
     (table and picture), measured figures, and how to serve it with vLLM.
 
     :param hub_id: the base model's Hub id (default: derived from ``source`` where that
-        is certain, :func:`fp4sense.lineage.hub_id_of`); it becomes ``base_model`` with
+        is certain, :func:`fp4sense.publishing.lineage.hub_id_of`); it becomes ``base_model`` with
         ``base_model_relation: quantized``. Without one the card says how to add it.
     """
     from huggingface_hub import ModelCard, ModelCardData
 
-    from fp4sense.lineage import hub_id_of
+    from fp4sense.publishing.lineage import hub_id_of
 
     folder = Path(folder)
     plot_plan(plan, folder / "plan.png")
@@ -114,7 +114,7 @@ def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str
         f"{plan.fp4sense_version} and llm-compressor: each unit of the decoder (a fused "
         "q/k/v or gate/up group, or a single linear) got the scheme that an exact budgeted "
         f"plan chose from the menu {', '.join(plan.menu)}, minimizing the predicted damage "
-        f"(the sum of the units' {plan.score} FP4 sensitivities, KL) under "
+        f"(the sum of the units' {plan.damage_source} FP4 sensitivities, KL) under "
         f"{_objective(plan.objective)}." + (" Weights were then rounded with GPTQ." if gptq
                                             else ""),
         "lm_head and the embeddings are not quantized. The checkpoint is a standard "
@@ -165,7 +165,7 @@ def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str
 def _text_name(text: str) -> str:
     """The evaluation text as a card names it: the protocol split, a dataset, or a file's
     name (never its path on this machine)."""
-    from fp4sense.data import PROTOCOL_EVAL_TEXT
+    from fp4sense.inputs.texts import PROTOCOL_EVAL_TEXT
 
     if text == PROTOCOL_EVAL_TEXT:
         return "the protocol's evaluation split (State of the Union addresses 2000–2021)"

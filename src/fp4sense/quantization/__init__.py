@@ -1,0 +1,3 @@
+"""The quantize stage: estimate, plan once, and apply the plan with the host quantizer
+the core finds through an entry point (``hosts``; llm-compressor's oneshot through
+``plugins/llmcompressor``), then evaluate and publish (``pipeline.quantize_model``)."""
