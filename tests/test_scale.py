@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import FP4SENSE
 from families import FAMILIES, make_family_model
-
 from fp4sense.diagnosis import analyze
 from fp4sense.diagnosis.cache import EntryCache
 from fp4sense.diagnosis.engine import Analysis
