@@ -20,7 +20,7 @@ from fp4sense.diagnosis.units import Unit, UnitMap
 from fp4sense.evaluation.metrics import window_metrics
 from fp4sense.numerics.fakequant import activation_quantizer, quantize_weights
 
-__all__ = ["Analysis", "Perturbation"]
+__all__ = ["Analysis", "Perturbation", "check_cache_memory"]
 
 Perturbation = dict[str, tuple[Unit, str]]  # linear name -> (its unit, scheme)
 #: Memory for fake-quantized weights kept between perturbations.
@@ -300,3 +300,36 @@ class Analysis:
         if streamed is None:
             streamed = self.store is not None
         return estimate(self, schemes, list(windows), seed, context, streamed)
+
+
+def check_cache_memory(model, windows: torch.Tensor, units: UnitMap, modes, views,
+                  streamed: bool, log) -> None:
+    """What the run's caches will keep, said before it starts and refused when it will
+    not fit: the measured mode replays every block's output of every window (twice with
+    the block view: the base model's and the quantized model's), the streamed estimate
+    keeps every block's input. Weights come on top (one block with offloading)."""
+    from fp4sense.diagnosis.estimate import streamed_input_bytes
+    from fp4sense.runtime.memory import check_fits
+
+    n, tokens = len(windows), windows.shape[1]
+    hidden = model.config.get_text_config().hidden_size
+    itemsize = next(model.parameters()).element_size()
+    need, parts = 0, []
+    if "measured" in modes:
+        copies = 2 if "block" in views else 1
+        vocab = model.config.get_text_config().vocab_size
+        replay = (copies * n * units.n_blocks * tokens * hidden * itemsize
+                  + min(n * tokens * vocab * 4, BASE_LOGPROB_BYTES))
+        need += replay
+        parts.append(f"measured replay {replay / 2**30:.2f} GiB")
+    if "estimated" in modes and streamed:
+        from fp4sense.runtime import distributed
+
+        mine = len(distributed.shard(list(range(n))))
+        kept = streamed_input_bytes(model, mine, tokens, units.n_blocks)
+        need = max(need, kept)  # the measured caches are released before the estimate
+        parts.append(f"streamed estimate {kept / 2**30:.2f} GiB")
+    if parts:
+        check_fits(need, f"analysis caches ({', '.join(parts)}; {n} windows x "
+                   f"{units.n_blocks} blocks)", "lower --windows or --tokens (or share the "
+                   "estimate's windows across more ranks with torchrun)", log)

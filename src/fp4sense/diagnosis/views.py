@@ -37,7 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fp4sense.diagnosis.cache import EntryCache, cache_key
-from fp4sense.diagnosis.engine import Analysis, Perturbation
+from fp4sense.diagnosis.engine import Analysis, Perturbation, check_cache_memory
 from fp4sense.diagnosis.results import Entry, SensitivityReport
 from fp4sense.diagnosis.stats import correlations, mean_se
 from fp4sense.diagnosis.units import Unit, UnitMap, find_units, model_fingerprint, model_name
@@ -211,7 +211,7 @@ def analyze(
     if cache.items:
         log(f"resuming: {len(cache.items)} cached results ({cache.path})")
     streamed = offload_dir is not None or getattr(model, "fp4sense_blocks", None) is not None
-    _check_memory(model, windows, units, modes, views, streamed, log)
+    check_cache_memory(model, windows, units, modes, views, streamed, log)
     run = Analysis(model, windows, units, cache, progress,
                    Path(offload_dir) if offload_dir is not None else None, device)
     try:
@@ -332,35 +332,3 @@ def _run_views(run: Analysis, model, windows, units, cache, schemes, views, mode
     cost["total_seconds"] = round(time.perf_counter() - t0, 2)
     report.correlations = correlations(report)
     return report
-
-
-def _check_memory(model, windows: torch.Tensor, units: UnitMap, modes, views,
-                  streamed: bool, log) -> None:
-    """What the run's caches will keep, said before it starts and refused when it will
-    not fit: the measured mode replays every block's output of every window (twice with
-    the block view: the base model's and the quantized model's), the streamed estimate
-    keeps every block's input. Weights come on top (one block with offloading)."""
-    from fp4sense.diagnosis.engine import BASE_LOGPROB_BYTES
-    from fp4sense.diagnosis.estimate import streamed_input_bytes
-    from fp4sense.runtime.memory import check_fits
-
-    n, tokens = len(windows), windows.shape[1]
-    hidden = model.config.get_text_config().hidden_size
-    itemsize = next(model.parameters()).element_size()
-    need, parts = 0, []
-    if "measured" in modes:
-        copies = 2 if "block" in views else 1
-        vocab = model.config.get_text_config().vocab_size
-        replay = (copies * n * units.n_blocks * tokens * hidden * itemsize
-                  + min(n * tokens * vocab * 4, BASE_LOGPROB_BYTES))
-        need += replay
-        parts.append(f"measured replay {replay / 2**30:.2f} GiB")
-    if "estimated" in modes and streamed:
-        mine = len(distributed.shard(list(range(n))))
-        kept = streamed_input_bytes(model, mine, tokens, units.n_blocks)
-        need = max(need, kept)  # the measured caches are released before the estimate
-        parts.append(f"streamed estimate {kept / 2**30:.2f} GiB")
-    if parts:
-        check_fits(need, f"analysis caches ({', '.join(parts)}; {n} windows x "
-                   f"{units.n_blocks} blocks)", "lower --windows or --tokens (or share the "
-                   "estimate's windows across more ranks with torchrun)", log)
