@@ -313,3 +313,44 @@ def test_a_rank_that_dies_stops_the_others_in_one_line(tmp_path):
     assert procs[0].returncode == 1, err0
     lines = [line for line in err0.strip().splitlines() if line.startswith("fp4sense:")]
     assert len(lines) == 1 and "another rank stopped before the results met" in lines[0]
+
+
+def test_quantize_low_memory_plans_what_the_whole_model_plans(quantized, tiny_llama, text_file,
+                                                              tmp_path):
+    """``quantize --low-memory`` estimates block by block from the model's files: the
+    same sensitivity and the same plan as the model loaded whole (the session fixture)."""
+    from conftest import SMALL
+
+    out = tmp_path / "lean"
+    done = subprocess.run([FP4SENSE, "quantize", str(tiny_llama), "--budget", "5.5", "--out",
+                           str(out), "--text", str(text_file), *SMALL, "--low-memory",
+                           "--no-eval", "--json"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    whole = json.loads((quantized / "plan.json").read_text())
+    lean = json.loads((out / "plan.json").read_text())
+    assert [(c["unit"], c["scheme"], c["damage"]) for c in lean["choices"]] == \
+        [(c["unit"], c["scheme"], c["damage"]) for c in whole["choices"]]
+    a = json.loads((quantized / "sensitivity.json").read_text())["entries"]
+    b = json.loads((out / "sensitivity.json").read_text())["entries"]
+    assert a == b
+
+
+def test_two_runs_appending_to_one_cache_never_tear_a_line(tmp_path):
+    """Two processes (two runs sharing a cache, or two ranks) append at once: every line
+    is whole, every entry is there."""
+    path = tmp_path / "shared.jsonl"
+    script = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from fp4sense.diagnosis.cache import EntryCache
+        cache = EntryCache(Path({str(path)!r}))
+        for i in range(300):
+            cache.put(f"{{sys.argv[1]}}|{{i}}", {{"kl": i / 7, "pad": "x" * 3000}})
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script, name]) for name in ("a", "b")]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    lines = path.read_text().splitlines()
+    assert len(lines) == 600
+    keys = {json.loads(line)["key"] for line in lines}
+    assert keys == {f"{n}|{i}" for n in "ab" for i in range(300)}
+    assert len(EntryCache(path).items) == 600

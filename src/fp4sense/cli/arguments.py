@@ -139,6 +139,8 @@ def quantize_args(p: argparse.ArgumentParser) -> None:
                    help="evaluation windows for the model card's figures")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation for the card")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--low-memory", action="store_true",
+                   help="estimate with one decoder block's weights in memory at a time")
     _add_placement(p)
     _add_json(p)
 

@@ -194,7 +194,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         text=text_source(args), calib_windows=args.calib_windows, estimate_windows=args.windows,
         window_tokens=args.tokens, evaluate=not args.no_eval, eval_windows=args.eval_windows,
         overwrite=args.overwrite, base_model_id=args.base_model_id,
-        device=args.device, dtype=args.dtype, progress=not args.json,
+        device=args.device, dtype=args.dtype, low_memory=args.low_memory,
+        progress=not args.json,
         log=(lambda msg: print(msg, file=sys.stderr)) if args.json else print,
     )
     if args.json:

@@ -40,6 +40,7 @@ def quantize_model(
     overwrite: bool = False,
     device: str = "cpu",
     dtype: str | None = None,
+    low_memory: bool = False,
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> dict:
@@ -60,7 +61,8 @@ def quantize_model(
     protocol's CPU float32; the model is loaded in ``dtype``, never first in float32).
     The oneshot step runs where llm-compressor puts it: its sequential pipeline onloads
     one decoder block at a time to the first accelerator (the CPU when there is none),
-    from a model it loads in bfloat16.
+    from a model it loads in bfloat16. ``low_memory`` streams the estimate one decoder
+    block at a time from the model's own files (:func:`fp4sense.inputs.models.load_model`).
     """
     import shutil
     import tempfile
@@ -88,7 +90,8 @@ def quantize_model(
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 
-    hf_model, tokenizer, notes = load_model(model, placement.dtype, placement.device)
+    hf_model, tokenizer, notes = load_model(model, placement.dtype, placement.device,
+                                            low_memory=low_memory)
     source = str(model) if model is not None else hf_model.config._name_or_path
     hub_id = hub_id_of(source, base_model_id)
     calib = analysis_windows(tokenizer, text, calib_windows, window_tokens)
