@@ -9,7 +9,7 @@ with ``numerics`` beneath them all and ``cli`` / ``api`` as the front doors
 
 from fp4sense import _moved
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 __all__ = ["__version__"]
 

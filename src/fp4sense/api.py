@@ -44,18 +44,31 @@ def analyze_model(
     cache: bool | str | os.PathLike = True,
     plots: bool = True,
     offload_dir: str | os.PathLike | None = None,
+    low_memory: bool = False,
+    device: str = "cpu",
+    dtype: str | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> SensitivityReport:
     """``fp4sense analyze``: analyze ``model`` and write sensitivity.json, report.md and
     plots into ``out_dir`` (when given). Results are cached (resumable) in the fp4sense
-    cache, or in the folder ``cache`` names; ``cache=False`` turns that off."""
+    cache, or in the folder ``cache`` names; ``cache=False`` turns that off.
+
+    ``device`` (auto, cpu, cuda, cuda:N) and ``dtype`` (float32, bfloat16) say where it
+    computes (default: the protocol's CPU float32). Under torchrun the ranks share the
+    work through torch.distributed, and rank 0 writes ``out_dir``. ``low_memory`` holds
+    one decoder block's weights at a time, read from the model's own safetensors files
+    (``offload_dir`` does the same from copies, for models whose files cannot be read
+    so)."""
     from fp4sense.diagnosis import analyze, check_request
     from fp4sense.inputs.assets import cache_dir
     from fp4sense.reports.analysis import write_analysis
+    from fp4sense.runtime import distributed
+    from fp4sense.runtime.devices import resolve
     from fp4sense.validate import InputError, check_writable
 
     schemes = check_request(schemes, views, modes)  # bad input fails before loading
+    placement = resolve(device, dtype, log=log)
     cache_folder = (cache_dir() / "analysis" if cache is True else Path(cache) if cache
                     else None)
     if out_dir is not None:  # nothing is computed when the results cannot be written
@@ -65,16 +78,31 @@ def analyze_model(
     if cache_folder is not None:
         check_writable(cache_folder, "the analysis cache", "pass --no-cache, or point "
                        "FP4SENSE_CACHE at a writable folder")
-    hf_model, tokenizer, notes = load_model(model)
+    if offload_dir is not None:
+        from fp4sense.diagnosis.offload import check_offload_dir
+
+        check_offload_dir(Path(offload_dir))
+    distributed.init_from_env(placement.device)
+    if not distributed.is_main():
+        log = _quiet  # rank 0 speaks for the run
+        progress = False
+    # offloaded blocks are loaded onto the device one at a time; the rest moves there
+    hf_model, tokenizer, notes = load_model(
+        model, placement.dtype, "cpu" if offload_dir is not None else placement.device,
+        low_memory=low_memory)
     windows = analysis_windows(tokenizer, text, n_windows, window_tokens)
     report = analyze(
         hf_model, windows, schemes=schemes, views=views, modes=modes, grid_blocks=grid_blocks,
         cache_dir=cache_folder,
         text={"source": text_name(text)},
-        progress=progress, log=log, offload_dir=offload_dir,
+        progress=progress, log=log, offload_dir=offload_dir, device=placement.device,
     )
-    if out_dir is not None:
+    if out_dir is not None and distributed.is_main():
         paths = write_analysis(report, Path(out_dir), notes=notes, plots=plots)
         for key, path in paths.items():
             log(f"{key:12s} {path}")
     return report
+
+
+def _quiet(message: str) -> None:
+    """The log of ranks other than 0."""

@@ -15,7 +15,7 @@ import shutil
 import socket
 from pathlib import Path
 
-__all__ = ["InputError", "block_list", "check_output_folder", "check_writable",
+__all__ = ["InputError", "block_list", "check_output_folder", "check_writable", "device_name",
            "non_empty", "positive_float", "positive_int", "non_negative_float",
            "remove_dead_partials", "write_owner"]
 
@@ -65,6 +65,14 @@ def non_empty(value: str) -> str:
     """argparse type: a string with something in it."""
     if not value.strip():
         raise argparse.ArgumentTypeError("must not be empty")
+    return value
+
+
+def device_name(value: str) -> str:
+    """argparse type: auto, cpu, cuda or cuda:N (whether this machine has it is checked
+    when the command starts, :func:`fp4sense.runtime.devices.resolve`)."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+        raise argparse.ArgumentTypeError(f"{value!r}: choose auto, cpu, cuda or cuda:N")
     return value
 
 

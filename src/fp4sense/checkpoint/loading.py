@@ -81,8 +81,10 @@ def apply_served_activation_quantization(
 
 
 @torch.no_grad()
-def load_checkpoint(folder, promote_mxfp4: bool = False):
-    """A compressed-tensors checkpoint as a float32 model computing what it describes:
+def load_checkpoint(folder, promote_mxfp4: bool = False, device: str | torch.device = "cpu",
+                    dtype: torch.dtype = torch.float32):
+    """A compressed-tensors checkpoint as a model (``dtype`` on ``device``; the protocol's
+    float32 on the CPU by default) computing what it describes:
     weights decompressed, input activations quantized as the config says (and MXFP4A16
     as W4A4 when ``promote_mxfp4``, as vLLM serves it).
 
@@ -92,9 +94,10 @@ def load_checkpoint(folder, promote_mxfp4: bool = False):
 
     # compressed-tensors decompresses FP4 weights to bf16 on the first forward; loading
     # straight into float32 then fails on a dtype mismatch. So load in bf16, let one
-    # forward decompress, then compute in float32.
+    # forward decompress, then compute in ``dtype``.
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    model.to(device)
     model(input_ids=torch.tensor([[0, 1]], device=model.device))
-    model.to(torch.float32)
+    model.to(dtype)
     act_layers, notes = apply_served_activation_quantization(model, promote_mxfp4)
     return model, act_layers, notes

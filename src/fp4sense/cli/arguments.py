@@ -5,15 +5,35 @@ flags; values are typed and ranged here (:mod:`fp4sense.validate`)."""
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from fp4sense.validate import (
     block_list,
+    device_name,
     non_empty,
     non_negative_float,
     positive_float,
     positive_int,
 )
+
+
+def pins_of(values: list[str] | None) -> dict[str, str]:
+    """``--pin UNIT_OR_REGEX=SCHEME`` values -> {pattern: scheme}, each regex compiled."""
+    pins = {}
+    for item in values or []:
+        pattern, sep, scheme = item.rpartition("=")
+        if not sep or not pattern:
+            raise ValueError(f"--pin {item!r}: write UNIT_OR_REGEX=SCHEME, e.g. "
+                             "'.*layers\\.0\\..*=BF16'")
+        try:
+            re.compile(pattern.removeprefix("re:"))
+        except re.error as exc:
+            raise ValueError(f"--pin {item!r}: {pattern!r} is not a valid regular expression "
+                             f"({exc}); escape dots and brackets, or name a unit such as "
+                             "'3:mlp.down_proj'") from None
+        pins[pattern] = scheme
+    return pins
 
 
 def _add_model_and_text(p: argparse.ArgumentParser, text_help: str) -> None:
@@ -38,6 +58,15 @@ def _add_windows(p: argparse.ArgumentParser, default: int, what: str) -> None:
                    help=f"{what} (default {default})")
     p.add_argument("--tokens", type=positive_int, default=512,
                    help="tokens per window (default 512)")
+
+
+def _add_placement(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", type=device_name, default="cpu",
+                   help="auto, cpu, cuda or cuda:N (default cpu; auto: this rank's GPU when "
+                   "there is one)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="compute dtype (default: float32 on the CPU, as the protocol; "
+                   "bfloat16 on a GPU)")
 
 
 def _add_json(p: argparse.ArgumentParser, what: str = "print the result as JSON") -> None:
@@ -73,7 +102,12 @@ def analyze_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--offload-dir", type=Path, default=None,
-                   help="keep decoder blocks on disk here, one in memory at a time")
+                   help="keep decoder blocks on disk here, one in memory at a time (a copy; "
+                   "--low-memory reads the model's own files instead)")
+    p.add_argument("--low-memory", action="store_true",
+                   help="hold one decoder block's weights at a time, read from the model's "
+                   "safetensors files when it runs (models larger than memory)")
+    _add_placement(p)
     _add_json(p, "print a JSON summary")
 
 
@@ -105,6 +139,9 @@ def quantize_args(p: argparse.ArgumentParser) -> None:
                    help="evaluation windows for the model card's figures")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation for the card")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--low-memory", action="store_true",
+                   help="estimate with one decoder block's weights in memory at a time")
+    _add_placement(p)
     _add_json(p)
 
 
@@ -115,6 +152,7 @@ def eval_args(p: argparse.ArgumentParser) -> None:
     _add_windows(p, 16, "evaluation windows")
     p.add_argument("--as-served", action="store_true",
                    help="compute MXFP4A16 layers as W4A4, as vLLM serves them")
+    _add_placement(p)
     _add_json(p)
 
 

@@ -10,7 +10,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import sys
 from collections.abc import Callable, Sequence
 
@@ -19,6 +18,7 @@ from fp4sense.cli.arguments import (
     analyze_args,
     convert_gguf_args,
     eval_args,
+    pins_of,
     push_args,
     quantize_args,
     schemes_args,
@@ -35,7 +35,7 @@ EXIT_HUB_ERROR = 5
 EXIT_INTERRUPTED = 130
 EXIT_CODES_HELP = """exit codes:
   0    success
-  1    bad input (a file, model, scheme, budget or folder), named in one line
+  1    bad input (a file, model, scheme, budget, folder or device) or a stopped rank, in one line
   2    usage error (unknown flag, missing argument, a value out of range)
   3    an offline asset (bundled model or text) could not be fetched or verified
   4    verify-vllm: vLLM and transformers disagree beyond the tolerance
@@ -168,7 +168,9 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         modes=modes, n_windows=args.windows, window_tokens=args.tokens,
         grid_blocks=args.grid_blocks,
         out_dir=args.out, cache=not args.no_cache, plots=not args.no_plots,
-        offload_dir=args.offload_dir, progress=not args.json,
+        offload_dir=args.offload_dir, low_memory=args.low_memory, device=args.device,
+        dtype=args.dtype,
+        progress=not args.json,
         log=(lambda msg: print(msg, file=sys.stderr)) if args.json else print,
     )
     if args.json:
@@ -182,33 +184,17 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _pins(values: list[str] | None) -> dict[str, str]:
-    pins = {}
-    for item in values or []:
-        pattern, sep, scheme = item.rpartition("=")
-        if not sep or not pattern:
-            raise ValueError(f"--pin {item!r}: write UNIT_OR_REGEX=SCHEME, e.g. "
-                             "'.*layers\\.0\\..*=BF16'")
-        try:
-            re.compile(pattern.removeprefix("re:"))
-        except re.error as exc:
-            raise ValueError(f"--pin {item!r}: {pattern!r} is not a valid regular expression "
-                             f"({exc}); escape dots and brackets, or name a unit such as "
-                             "'3:mlp.down_proj'") from None
-        pins[pattern] = scheme
-    return pins
-
-
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from fp4sense.api import quantize_model
 
     result = quantize_model(
         args.model, out_dir=args.out, budget_bits=args.budget, budget_bytes=args.budget_bytes,
         kl_target=args.kl_target, menu=_csv(args.menu), sensitivity=args.sensitivity,
-        sensitivity_mode=args.sensitivity_mode, pins=_pins(args.pin), gptq=args.gptq,
+        sensitivity_mode=args.sensitivity_mode, pins=pins_of(args.pin), gptq=args.gptq,
         text=text_source(args), calib_windows=args.calib_windows, estimate_windows=args.windows,
         window_tokens=args.tokens, evaluate=not args.no_eval, eval_windows=args.eval_windows,
         overwrite=args.overwrite, base_model_id=args.base_model_id,
+        device=args.device, dtype=args.dtype, low_memory=args.low_memory,
         progress=not args.json,
         log=(lambda msg: print(msg, file=sys.stderr)) if args.json else print,
     )
@@ -230,7 +216,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     r = evaluate_checkpoint(args.checkpoint, base=args.base, text=text_source(args),
                             n_windows=args.windows, window_tokens=args.tokens,
-                            as_served=args.as_served, progress=not args.json)
+                            as_served=args.as_served, device=args.device, dtype=args.dtype,
+                            progress=not args.json)
     if args.json:
         _emit_json(r)
         return EXIT_OK
@@ -319,10 +306,11 @@ def run_command(action: Callable[[argparse.Namespace], int], args: argparse.Name
     from fp4sense.inputs.assets import AssetError
     from fp4sense.inputs.gguf import GGUFConversionError
     from fp4sense.publishing.hub import HubError
+    from fp4sense.runtime.distributed import RankError
 
     codes = ((AssetError, EXIT_ASSET_ERROR), (HubError, EXIT_HUB_ERROR),
              (GGUFConversionError, EXIT_USER_ERROR), (VerifyError, EXIT_USER_ERROR),
-             (ValueError, EXIT_USER_ERROR))
+             (RankError, EXIT_USER_ERROR), (ValueError, EXIT_USER_ERROR))
     try:
         with _stdout_for_json(bool(getattr(args, "json", False))):
             return int(action(args))
@@ -346,7 +334,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_OK
-    return run_command(args.func, args)
+    try:
+        return run_command(args.func, args)
+    finally:
+        from fp4sense.runtime.distributed import leave
+
+        leave()
 
 
 if __name__ == "__main__":  # pragma: no cover

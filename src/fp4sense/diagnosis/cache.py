@@ -1,8 +1,11 @@
 """The resumable analysis cache: one JSON line per finished entry, keyed by the model's
-fingerprint, the analysis tokens and the computation's version."""
+fingerprint, the analysis tokens and the computation's version. Several writers (the
+ranks of a torchrun launch, or two runs sharing a cache) append under a file lock, so
+lines never interleave."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -12,8 +15,9 @@ import torch
 
 __all__ = ["CACHE_VERSION", "EntryCache", "cache_key"]
 
-#: Bump when a change of the computation makes cached entries stale.
-CACHE_VERSION = 1
+#: Bump when a change of the computation makes cached entries stale (2: the estimate's
+#: sampling generator is seeded per window).
+CACHE_VERSION = 2
 
 
 class EntryCache:
@@ -38,14 +42,17 @@ class EntryCache:
         self.items[key] = item
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            line = json.dumps(item) + "\n"
             with self.path.open("a+") as fh:
+                fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes
                 # a line torn by a killed run: end it, so this entry starts a line of its own
                 fh.seek(0, os.SEEK_END)
                 if fh.tell():
                     fh.seek(fh.tell() - 1)
                     if fh.read(1) != "\n":
                         fh.write("\n")
-                fh.write(json.dumps(item) + "\n")
+                fh.write(line)
+                fh.flush()
 
 
 def cache_key(fingerprint: str, windows: torch.Tensor) -> str:

@@ -20,7 +20,7 @@ from fp4sense.diagnosis.units import Unit, UnitMap
 from fp4sense.evaluation.metrics import window_metrics
 from fp4sense.numerics.fakequant import activation_quantizer, quantize_weights
 
-__all__ = ["Analysis", "Perturbation"]
+__all__ = ["Analysis", "Perturbation", "check_cache_memory"]
 
 Perturbation = dict[str, tuple[Unit, str]]  # linear name -> (its unit, scheme)
 #: Memory for fake-quantized weights kept between perturbations.
@@ -34,9 +34,13 @@ class Analysis:
     """Holds the model, the windows, the block-output cache and the entry cache."""
 
     def __init__(self, model, windows: torch.Tensor, units: UnitMap, cache: EntryCache,
-                 progress: bool, offload_dir: Path | None = None):
+                 progress: bool, offload_dir: Path | None = None,
+                 device: torch.device | None = None):
         self.model = model
-        self.windows = windows
+        # everything computes where the model is (offloaded blocks are loaded there)
+        self.device = torch.device(device) if device is not None else next(
+            model.parameters()).device
+        self.windows = windows.to(self.device)
         self.units = units
         self.cache = cache
         self.progress = progress
@@ -48,18 +52,32 @@ class Analysis:
         self.base_ppl_value = float("nan")
         self.block_forwards = 0
         # the unquantized weights (perturbations swap .data and put these back)
-        if offload_dir is None:
+        attached = getattr(model, "fp4sense_blocks", None)  # load_model(low_memory=True)
+        if attached is not None:
+            self.store = attached
+            self.store.device = self.device
+            self.original = Originals(self.modules, self.store)
+            model.to(self.device)
+        elif offload_dir is None:
             self.store = None
             self.original = {m: self.modules[m].weight.data for m in units.linears()}
         else:
-            self.store = BlockStore(model, units.blocks_path, offload_dir)
+            self.store = BlockStore(model, units.blocks_path, offload_dir, self.device)
             self.original = Originals(self.modules, self.store)
+            model.to(self.device)  # the blocks are empty now: the rest moves
         self.qweights: dict[tuple[Unit, str], list[torch.Tensor]] = {}
         self.qweight_bytes = 0
+        # blocks out of memory: quantized weights of a few blocks at most (room for four
+        # schemes of the largest block, bf16), the oldest dropped when a new one comes
+        per_block: dict[int, int] = {}
+        for unit in units.units:
+            per_block[unit.block] = per_block.get(unit.block, 0) + unit.numel
+        self.qweight_budget = WEIGHT_CACHE_BYTES if self.store is None else min(
+            WEIGHT_CACHE_BYTES, 4 * 2 * max(per_block.values(), default=0))
         self.quant_out: tuple[str, list[list], dict] | None = None
 
     def quantized(self, unit: Unit, scheme: str) -> list[torch.Tensor]:
-        """The unit's fake-quantized weights (kept while under WEIGHT_CACHE_BYTES)."""
+        """The unit's fake-quantized weights (kept while under ``qweight_budget``)."""
         kept = self.qweights.get((unit, scheme))
         if kept is not None:
             return [w.to(self.original[m].dtype) for w, m in zip(kept, unit.modules,
@@ -72,7 +90,10 @@ class Analysis:
         else:  # pragma: no cover - a model whose weights are not bf16-derived
             ws_kept = ws
         size = sum(w.numel() * w.element_size() for w in ws_kept)
-        if self.qweight_bytes + size <= WEIGHT_CACHE_BYTES:
+        if self.store is not None and self.qweight_bytes + size > self.qweight_budget:
+            self.qweights.clear()  # streaming: the next block's weights replace the last's
+            self.qweight_bytes = 0
+        if self.qweight_bytes + size <= self.qweight_budget:
             self.qweights[(unit, scheme)] = ws_kept
             self.qweight_bytes += size
         return ws
@@ -266,83 +287,49 @@ class Analysis:
 
     # --- estimated pass -----------------------------------------------------------------
     def estimate(self, schemes: Sequence[str], seed: int = 0,
-                 context: Perturbation | None = None) -> dict[tuple[str, str], list]:
-        """(linear, scheme) -> per-window estimated KL contribution; with ``context``,
-        at the model where that perturbation is applied (a plan's other units quantized)."""
-        if self.stats is None:
-            self.base_pass()  # input maxima for NVFP4 activations
-        linears = self.units.linears()
-        unit_of = {m: u for u in self.units.units for m in u.modules}
-        feasible = {(m, s) for m in linears for s in schemes
-                    if unit_of[m].why_infeasible(s) is None}
-        scores: dict[tuple[str, str], list[float]] = {k: [] for k in feasible}
-        acts = {(m, s): activation_quantizer(s, self.stats[m]["absmax"])
-                for m, s in feasible}
-        inputs: dict[str, torch.Tensor] = {}
-        outputs: dict[str, torch.Tensor] = {}
-        window_scores: dict[tuple[str, str], float] = {}
-        norm = {"tokens": 1}
+                 context: Perturbation | None = None, windows: Sequence[int] | None = None,
+                 streamed: bool | None = None) -> dict[tuple[str, str], list]:
+        """(linear, scheme) -> per-window estimated KL contribution (for ``windows``,
+        default all); with ``context``, at the model where that perturbation is applied (a
+        plan's other units quantized). ``streamed`` (default: when blocks are offloaded)
+        holds one block's weights at a time (:mod:`fp4sense.diagnosis.estimate`)."""
+        from fp4sense.diagnosis.estimate import estimate
 
-        def quantized_weight(name: str, scheme: str) -> torch.Tensor:
-            unit = unit_of[name]
-            return self.quantized(unit, scheme)[unit.modules.index(name)]
+        if windows is None:
+            windows = range(len(self.windows))
+        if streamed is None:
+            streamed = self.store is not None
+        return estimate(self, schemes, list(windows), seed, context, streamed)
 
-        def fwd_hook(name):
-            def hook(module, args, output):
-                inputs[name] = args[0].detach()
-                outputs[name] = output.detach()
-                if output.requires_grad:
-                    output.register_hook(grad_hook(name, module))
-            return hook
 
-        def grad_hook(name, module):
-            @torch.no_grad()
-            def hook(grad):
-                g2 = grad.float().pow(2)
-                x, y = inputs.pop(name), outputs.pop(name)
-                if context:  # the change is measured from the unquantized linear
-                    y = torch.nn.functional.linear(x, self.original[name], module.bias)
-                for s in schemes:
-                    if (name, s) not in feasible:
-                        continue
-                    act = acts[(name, s)]
-                    xq = act(x) if act is not None else x
-                    dy = torch.nn.functional.linear(xq, quantized_weight(name, s),
-                                                    module.bias) - y
-                    window_scores[(name, s)] = float(
-                        0.5 * (g2 * dy.float().pow(2)).sum() / norm["tokens"])
-            return hook
+def check_cache_memory(model, windows: torch.Tensor, units: UnitMap, modes, views,
+                  streamed: bool, log) -> None:
+    """What the run's caches will keep, said before it starts and refused when it will
+    not fit: the measured mode replays every block's output of every window (twice with
+    the block view: the base model's and the quantized model's), the streamed estimate
+    keeps every block's input. Weights come on top (one block with offloading)."""
+    from fp4sense.diagnosis.estimate import streamed_input_bytes
+    from fp4sense.runtime.memory import check_fits
 
-        embed = self.model.get_input_embeddings()
-        handles = [embed.register_forward_hook(lambda m, a, out: out.requires_grad_(True))]
-        handles += [self.modules[m].register_forward_hook(fwd_hook(m)) for m in linears]
-        gen = torch.Generator().manual_seed(seed)
-        was_training = [p.requires_grad for p in self.model.parameters()]
-        self.model.requires_grad_(False)
-        stack = ExitStack()
-        try:
-            if context:
-                stack.enter_context(self.applied(context))
-            for window in tqdm(self.windows, desc="estimating (forward + backward)",
-                               leave=False, disable=not self.progress):
-                window_scores.clear()
-                with torch.enable_grad():
-                    logits = self.model(input_ids=window[None]).logits[0, :-1].float()
-                    log_probs = torch.log_softmax(logits, dim=-1)
-                    sampled = torch.multinomial(log_probs.detach().exp(), 1, generator=gen)
-                    norm["tokens"] = logits.shape[0]
-                    log_probs.gather(-1, sampled).sum().backward()
-                if self.store is not None:
-                    self.store.release_all()
-                for key in feasible:
-                    scores[key].append(window_scores.get(key, 0.0))
-                inputs.clear()
-                outputs.clear()
-        finally:
-            stack.close()
-            for h in handles:
-                h.remove()
-            for p, flag in zip(self.model.parameters(), was_training, strict=True):
-                p.requires_grad_(flag)
-        self.block_forwards += 2 * len(self.windows) * self.units.n_blocks
-        return scores
+    n, tokens = len(windows), windows.shape[1]
+    hidden = model.config.get_text_config().hidden_size
+    itemsize = next(model.parameters()).element_size()
+    need, parts = 0, []
+    if "measured" in modes:
+        copies = 2 if "block" in views else 1
+        vocab = model.config.get_text_config().vocab_size
+        replay = (copies * n * units.n_blocks * tokens * hidden * itemsize
+                  + min(n * tokens * vocab * 4, BASE_LOGPROB_BYTES))
+        need += replay
+        parts.append(f"measured replay {replay / 2**30:.2f} GiB")
+    if "estimated" in modes and streamed:
+        from fp4sense.runtime import distributed
+
+        mine = len(distributed.shard(list(range(n))))
+        kept = streamed_input_bytes(model, mine, tokens, units.n_blocks)
+        need = max(need, kept)  # the measured caches are released before the estimate
+        parts.append(f"streamed estimate {kept / 2**30:.2f} GiB")
+    if parts:
+        check_fits(need, f"analysis caches ({', '.join(parts)}; {n} windows x "
+                   f"{units.n_blocks} blocks)", "lower --windows or --tokens (or share the "
+                   "estimate's windows across more ranks with torchrun)", log)

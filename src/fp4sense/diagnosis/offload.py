@@ -6,27 +6,56 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["BlockStore", "Originals"]
+__all__ = ["BlockStore", "Originals", "check_offload_dir"]
+
+
+def check_offload_dir(folder: Path) -> None:
+    """An offload folder must be writable and hold nothing but fp4sense's block files (a
+    previous run's): one line naming it otherwise, before any model is loaded."""
+    from fp4sense.validate import InputError, check_writable
+
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"--offload-dir {folder} is an existing file; choose a folder")
+    if folder.is_dir():
+        other = sorted(p.name for p in folder.iterdir()
+                       if not (p.name.startswith("block_") and p.suffix == ".safetensors"))
+        if other:
+            raise InputError(f"--offload-dir {folder} is not empty ({', '.join(other[:3])}"
+                             f"{', ...' if len(other) > 3 else ''}); fp4sense writes block "
+                             "files there, so give an empty or new folder")
+    check_writable(folder, "--offload-dir", "choose a folder you can write to")
 
 
 class BlockStore:
-    """Offloaded decoder blocks: each block's parameters live in a safetensors file and are
-    loaded just before the block runs, then dropped (kept through a backward pass until
-    :meth:`release_all`). Perturbations are overrides applied on load."""
+    """Decoder blocks kept out of memory: each block's parameters are read from
+    safetensors files just before the block runs, then dropped (kept through a backward
+    pass until :meth:`release_all`). Perturbations are overrides applied on load.
 
-    def __init__(self, model, blocks_path: str, folder: Path):
+    The files are either the model's own (``files``: parameter name -> file, nothing is
+    copied; :func:`fp4sense.inputs.models.load_model` with ``low_memory``) or copies
+    written into ``folder`` from a model in memory (``--offload-dir``)."""
+
+    def __init__(self, model, blocks_path: str, folder: Path | None = None,
+                 device: torch.device | str = "cpu", files: dict[str, Path] | None = None,
+                 dtype: torch.dtype | None = None):
         from safetensors.torch import save_file
 
         self.blocks = model.get_submodule(blocks_path)
         self.prefix = blocks_path
-        self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.files = files
+        self.owns_weights = files is None  # a copy: the model gets its weights back
+        self.folder = Path(folder) if folder is not None else None
+        if files is None:
+            self.folder.mkdir(parents=True, exist_ok=True)
         self.overrides: dict[str, torch.Tensor] = {}
         self.loaded: set[int] = set()
         self.handles = []
         for i, block in enumerate(self.blocks):
-            state = {n: p.data.contiguous() for n, p in block.named_parameters()}
-            save_file(state, self.folder / f"block_{i}.safetensors")
+            if files is None:
+                state = {n: p.data.contiguous() for n, p in block.named_parameters()}
+                save_file(state, self._file(i))
             self.handles.append(block.register_forward_pre_hook(self._load_hook(i)))
             self.handles.append(block.register_forward_hook(self._drop_hook(i)))
             self._drop(i)
@@ -34,26 +63,45 @@ class BlockStore:
     def _file(self, i: int) -> Path:
         return self.folder / f"block_{i}.safetensors"
 
+    def _where(self, full_name: str) -> tuple[Path, str]:
+        """(file, key) of one block parameter by its model-level name."""
+        if self.files is not None:
+            return self.files[full_name], full_name
+        index, _, rest = full_name[len(self.prefix) + 1:].partition(".")
+        return self._file(int(index)), rest
+
+    def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device, self.dtype) if self.dtype is not None else tensor.to(
+            self.device)
+
     def tensor(self, full_name: str) -> torch.Tensor:
         """One stored tensor by its model-level name (``model.layers.3.mlp.up_proj.weight``)."""
         from safetensors import safe_open
 
-        index, _, rest = full_name[len(self.prefix) + 1:].partition(".")
-        with safe_open(str(self._file(int(index))), "pt") as fh:
-            return fh.get_tensor(rest)
+        file, key = self._where(full_name)
+        with safe_open(str(file), "pt") as fh:
+            return self._cast(fh.get_tensor(key))
 
     def _load(self, i: int) -> None:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
-        state = load_file(self._file(i))
-        for name, param in self.blocks[i].named_parameters():
-            full = f"{self.prefix}.{i}.{name}"
-            param.data = self.overrides.get(full, state[name])
+        names = [(n, f"{self.prefix}.{i}.{n}") for n, _ in self.blocks[i].named_parameters()]
+        by_file: dict[Path, list[tuple[str, str, str]]] = {}
+        for name, full in names:
+            file, key = self._where(full)
+            by_file.setdefault(file, []).append((name, full, key))
+        params = dict(self.blocks[i].named_parameters())
+        for file, items in by_file.items():
+            with safe_open(str(file), "pt", device=str(self.device)) as fh:
+                for name, full, key in items:
+                    value = self.overrides.get(full)
+                    params[name].data = (value if value is not None
+                                         else self._cast(fh.get_tensor(key)))
         self.loaded.add(i)
 
     def _drop(self, i: int) -> None:
         for param in self.blocks[i].parameters():
-            param.data = torch.empty(0, dtype=param.dtype)
+            param.data = torch.empty(0, dtype=param.dtype, device=self.device)
         self.loaded.discard(i)
 
     def _load_hook(self, i: int):

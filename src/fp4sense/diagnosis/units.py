@@ -22,7 +22,7 @@ import torch
 
 from fp4sense.numerics.schemes import get_scheme
 
-__all__ = ["Unit", "UnitError", "UnitMap", "find_units", "short_kind"]
+__all__ = ["Unit", "UnitError", "UnitMap", "find_blocks", "find_units", "short_kind"]
 
 
 class UnitError(ValueError):
@@ -107,7 +107,7 @@ class UnitMap:
                    list(d.get("outside", [])))
 
 
-def _find_blocks(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
+def find_blocks(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
     best: tuple[str, torch.nn.ModuleList] | None = None
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.ModuleList) or len(module) < 1:
@@ -142,7 +142,7 @@ def _kind(rels: list[str]) -> str:
 def find_units(model: torch.nn.Module, sample: torch.Tensor | None = None) -> UnitMap:
     """Split ``model`` into units. ``sample`` (1, T) token ids drive the one forward that
     finds fused groups (a few tokens are enough; default: 8 tokens of id 1..8)."""
-    blocks_path, blocks = _find_blocks(model)
+    blocks_path, blocks = find_blocks(model)
     linear_names = {m: n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     seen_inputs: dict[str, tuple] = {}
     keep_alive: list[torch.Tensor] = []
@@ -211,8 +211,11 @@ def model_fingerprint(model: torch.nn.Module) -> str:
         h.update(json.dumps(described, sort_keys=True, default=str).encode())
     weighted = sorted((name, module.weight) for name, module in model.named_modules()
                       if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)))
+    blocks = getattr(model, "fp4sense_blocks", None)  # weights read from files on demand
     for name, tensor in weighted:
         h.update(name.encode())
+        if blocks is not None and (tensor.is_meta or tensor.numel() == 0):
+            tensor = blocks.tensor(f"{name}.weight")
         t = tensor.detach().to(torch.bfloat16).contiguous().cpu()
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]

@@ -37,11 +37,12 @@ import torch
 from tqdm.auto import tqdm
 
 from fp4sense.diagnosis.cache import EntryCache, cache_key
-from fp4sense.diagnosis.engine import Analysis, Perturbation
+from fp4sense.diagnosis.engine import Analysis, Perturbation, check_cache_memory
 from fp4sense.diagnosis.results import Entry, SensitivityReport
 from fp4sense.diagnosis.stats import correlations, mean_se
 from fp4sense.diagnosis.units import Unit, UnitMap, find_units, model_fingerprint, model_name
 from fp4sense.numerics.schemes import get_scheme
+from fp4sense.runtime import distributed
 
 __all__ = ["MODES", "REPORT_VIEWS", "VIEWS", "ReportView", "analyze", "check_request",
            "register_view", "view_options"]
@@ -174,6 +175,7 @@ def analyze(
     log: Callable[[str], None] = print,
     context: dict[str, str] | None = None,
     offload_dir: str | os.PathLike | None = None,
+    device: str | torch.device | None = None,
 ) -> SensitivityReport:
     """Run the analysis; finished entries are cached under ``cache_dir`` (resumable).
 
@@ -184,7 +186,14 @@ def analyze(
         planner's refinement round re-scores units in the context of a plan).
     :param offload_dir: keep only the running decoder block's weights in memory, the
         others in safetensors files in this folder (models larger than memory); the
-        model gets its weights back at the end.
+        model gets its weights back at the end; the estimate then streams one block at a
+        time (:mod:`fp4sense.diagnosis.estimate`).
+    :param device: where to compute (default: where the model is); offloaded blocks are
+        loaded there one at a time.
+
+    Under torchrun (:mod:`fp4sense.runtime.distributed`) the ranks share the work: the
+    measured runs round-robin, the estimate's windows likewise; every rank returns the
+    same report, equal to a one-rank run.
     """
     schemes = check_request(schemes, views, modes)
     t0 = time.perf_counter()
@@ -201,18 +210,20 @@ def analyze(
     cache = EntryCache(Path(cache_dir) / f"{key}.jsonl" if cache_dir else None)
     if cache.items:
         log(f"resuming: {len(cache.items)} cached results ({cache.path})")
+    streamed = offload_dir is not None or getattr(model, "fp4sense_blocks", None) is not None
+    check_cache_memory(model, windows, units, modes, views, streamed, log)
     run = Analysis(model, windows, units, cache, progress,
-                    Path(offload_dir) if offload_dir is not None else None)
+                   Path(offload_dir) if offload_dir is not None else None, device)
     try:
         return _run_views(run, model, windows, units, cache, schemes, views, modes,
-                          grid_blocks, text, context, fingerprint, key, t0)
+                          grid_blocks, text, context, fingerprint, key, t0, log)
     finally:
-        if run.store is not None:
+        if run.store is not None and run.store.owns_weights:
             run.store.close(restore=True)
 
 
 def _run_views(run: Analysis, model, windows, units, cache, schemes, views, modes,
-               grid_blocks, text, context, fingerprint, key, t0) -> SensitivityReport:
+               grid_blocks, text, context, fingerprint, key, t0, log) -> SensitivityReport:
 
     skipped = [{"unit": u.name, "scheme": s, "reason": u.why_infeasible(s)}
                for u in units.units for s in schemes if u.why_infeasible(s)]
@@ -231,26 +242,35 @@ def _run_views(run: Analysis, model, windows, units, cache, schemes, views, mode
                     if pert:
                         jobs.append((part, scheme, target, pert))
         t = time.perf_counter()
-        bar = tqdm(jobs, desc="measuring", disable=not run.progress, unit="run")
-        for part, scheme, target, pert in bar:
+        mine = distributed.shard(list(range(len(jobs))))
+        bar = tqdm(mine, desc="measuring", disable=not run.progress, unit="run")
+        results: dict[int, tuple[dict, bool]] = {}
+        for n in bar:
+            part, scheme, target, pert = jobs[n]
             bar.set_postfix_str(f"{part} {scheme} {target}"[:40])
             k = f"measured|{part}|{scheme}|{target}"
             hit = cache.get(k)
-            if hit is not None:
-                result = hit
+            if hit is None:
+                result = REPORT_VIEWS[part].measure(run, scheme, target, pert)
+                cache.put(k, result)  # every rank appends its own, under a file lock
+            results[n] = (hit if hit is not None else result, hit is not None)
+        shares = distributed.gather((results, run.block_forwards))
+        for share, _ in shares:
+            results.update(share)
+        for n, (part, scheme, target, _) in enumerate(jobs):
+            result, was_cached = results[n]
+            if was_cached:
                 cost["cached_entries"] += 1
             else:
-                result = REPORT_VIEWS[part].measure(run, scheme, target, pert)
-                cache.put(k, result)
-            if hit is None:
                 cost["naive_block_forwards"] += len(windows) * units.n_blocks
             entries.append(Entry(part, scheme, target, "measured", **{
                 f: result[f] for f in ("kl", "kl_se", "dppl", "dppl_se", "top1", "top1_se",
                                        "block_forwards")}))
         cost["seconds"]["measured"] = round(time.perf_counter() - t, 2)
-        if run.block_forwards:  # the naive way needs the base model's pass too
+        block_forwards = sum(forwards for _, forwards in shares)
+        if block_forwards:  # the naive way needs the base model's pass too
             cost["naive_block_forwards"] += len(windows) * units.n_blocks
-        cost["measured_block_forwards"] = run.block_forwards
+        cost["measured_block_forwards"] = block_forwards
 
     if "estimated" in modes:
         run.release_replay()
@@ -265,8 +285,15 @@ def _run_views(run: Analysis, model, windows, units, cache, schemes, views, mode
                                               ).hexdigest()[:12]
         hit = cache.get(k)
         if hit is None:
-            raw = run.estimate(schemes, context=pert)
-            cache.put(k, {"scores": {f"{m}|{s}": v for (m, s), v in raw.items()}})
+            mine = distributed.shard(list(range(len(windows))))
+            shares = distributed.gather(run.estimate(schemes, context=pert, windows=mine))
+            raw = {key_: distributed.unshard([s[key_] for s in shares], len(windows))
+                   for key_ in shares[0]}
+            item = {"scores": {f"{m}|{s}": v for (m, s), v in raw.items()}}
+            if distributed.is_main():
+                cache.put(k, item)
+            else:
+                cache.items[k] = {"key": k, **item}
         else:
             raw = {tuple(key_.split("|")): v for key_, v in hit["scores"].items()}
             cost["cached_entries"] += 1
@@ -288,7 +315,11 @@ def _run_views(run: Analysis, model, windows, units, cache, schemes, views, mode
         if cached_stats is None:
             run.base_pass()
     if run.stats is not None and cache.get("stats") is None:
-        cache.put("stats", {"stats": run.stats, "base_ppl": run.base_ppl()})
+        item = {"stats": run.stats, "base_ppl": run.base_ppl()}
+        if distributed.is_main():
+            cache.put("stats", item)
+        else:
+            cache.items["stats"] = {"key": "stats", **item}
     stats_item = cache.get("stats")
     report = SensitivityReport(
         model=model_name(model), model_fingerprint=fingerprint,

@@ -21,13 +21,18 @@ def evaluate_checkpoint(
     n_windows: int = 16,
     window_tokens: int = 512,
     as_served: bool = False,
+    device: str = "cpu",
+    dtype: str | torch.dtype | None = None,
     progress: bool = True,
+    log=print,
 ) -> dict:
     """``fp4sense eval``: PPL, KL vs base and top-1 agreement on the evaluation windows,
     and the measured effective bits, of any compressed-tensors checkpoint (float32).
 
     :param base: the unquantized model (default: the one the checkpoint records).
     :param as_served: compute MXFP4A16 layers as W4A4, as vLLM serves them.
+    :param device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``; ``dtype`` float32 (default on
+        the CPU, the protocol) or bfloat16 (default on a GPU).
 
     The result names the checkpoint, base and text by name (Hub id, folder or file name),
     as files that may be shared do, never by their paths on this machine.
@@ -38,16 +43,19 @@ def evaluate_checkpoint(
     from fp4sense.evaluation.metrics import compare_models
     from fp4sense.inputs.texts import PROTOCOL_EVAL_TEXT, protocol_windows
     from fp4sense.publishing.lineage import public_name
+    from fp4sense.runtime.devices import resolve
 
+    placement = resolve(device, dtype, log=log)
     folder = Path(checkpoint)
     check_checkpoint(folder)
     tokenizer = checkpoint_tokenizer(folder)
     if base is None:
         base = _recorded_base(folder)
     windows = protocol_windows(tokenizer, "evaluation", n_windows, text, window_tokens)
-    base_model, _, _ = load_model(base)
+    base_model, _, _ = load_model(base, placement.dtype, placement.device)
     _check_base_matches(folder, base_model, base)
-    quant, act_layers, notes = load_checkpoint(folder, promote_mxfp4=as_served)
+    quant, act_layers, notes = load_checkpoint(folder, as_served, placement.device,
+                                               placement.dtype)
     comparison = compare_models(base_model, quant, windows,
                                 desc="evaluating" if progress else "")
     bits = effective_bits(folder)
@@ -58,6 +66,7 @@ def evaluate_checkpoint(
         "effective_bits": bits["bits"], "linear_bytes": bits["bytes"],
         "format": qcfg.get("format"), "activation_quantized_layers": act_layers,
         "windows": n_windows, "window_tokens": window_tokens,
+        "device": placement.describe(),
         "text": public_name(text) if text is not None else PROTOCOL_EVAL_TEXT,
         "notes": notes,
     }

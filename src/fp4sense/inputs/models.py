@@ -17,12 +17,19 @@ BUNDLED_MODEL_NOTE = ("The bundled SmolLM2-135M-Instruct weights were Q4_1-quant
 DEFAULT_ANALYSIS_WINDOWS = 8
 
 
-def load_model(source: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer, notes) for a hub id or local folder; None = the bundled model.
+def load_model(source: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", low_memory: bool = False):
+    """(model, tokenizer, notes) for a hub id or local folder; None = the bundled model;
+    in ``dtype`` on ``device`` (a resolved one, :func:`fp4sense.runtime.devices.resolve`).
 
     Refuses, in one line naming the culprit: a folder that does not exist, weights that
     cannot be read (truncated, corrupt), a model that is not a decoder-only causal LM
-    (weights transformers would initialize at random), and NaN/Inf weights (by module)."""
+    (weights transformers would initialize at random), and NaN/Inf weights (by module).
+
+    ``low_memory``: only the weights outside the decoder blocks are loaded; each block's
+    are read from the model's own safetensors files when the block runs, and dropped
+    after (``model.fp4sense_blocks``, a :class:`~fp4sense.diagnosis.offload.BlockStore`;
+    nothing is copied). Memory then holds one block, not the model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fp4sense.publishing.lineage import is_hub_id
@@ -40,8 +47,11 @@ def load_model(source: str | os.PathLike | None = None, dtype: torch.dtype = tor
         raise InputError(f"model {text!r} not found: no such folder here, and not a Hub id "
                          "(ORG/NAME); pass a model folder or a Hub id")
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(source, dtype=dtype,
-                                                           output_loading_info=True)
+        if low_memory:
+            model, info = _load_without_blocks(source, dtype)
+        else:
+            model, info = AutoModelForCausalLM.from_pretrained(source, dtype=dtype,
+                                                               output_loading_info=True)
         tokenizer = AutoTokenizer.from_pretrained(source)
     except Exception as exc:  # truncated files, unknown architectures, offline hub, ...
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -55,8 +65,116 @@ def load_model(source: str | os.PathLike | None = None, dtype: torch.dtype = tor
             f"initialized at random ({', '.join(sorted(missing)[:3])}"
             f"{', ...' if len(missing) > 3 else ''}); fp4sense analyzes decoder-only "
             "causal LMs whose weights are all in the checkpoint")
-    _check_finite(model, text)
+    if low_memory:
+        _attach_blocks(model, source, text, dtype, device)
+    else:
+        _check_finite(model, text)  # (low memory: each block is read when it runs)
+    if torch.device(device) != model.device:
+        model.to(device)
     return model, tokenizer, notes
+
+
+def _weight_files(source) -> dict[str, Path]:
+    """tensor name -> safetensors file of a model folder (or Hub snapshot)."""
+    import json
+
+    from safetensors import safe_open
+
+    folder = Path(source)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(str(source), allow_patterns=["*.json",
+                                                                      "*.safetensors"]))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        return {}
+    with safe_open(str(single), "pt") as fh:
+        return dict.fromkeys(fh.keys(), single)
+
+
+def _load_without_blocks(source, dtype: torch.dtype):
+    """The model with its weights outside the decoder blocks loaded and its blocks on
+    the meta device (built with the full config, each with its index)."""
+    import copy
+    import logging
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fp4sense.diagnosis.units import find_blocks
+
+    config = AutoConfig.from_pretrained(source)
+    text = config.get_text_config()
+    n_blocks, layer_types = text.num_hidden_layers, getattr(text, "layer_types", None)
+    small = copy.deepcopy(config)
+    small_text = small.get_text_config()
+    small_text.num_hidden_layers = 1
+    if layer_types is not None:
+        small_text.layer_types = list(layer_types[:1])
+    quiet = logging.getLogger("transformers.modeling_utils")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # the other blocks' weights are unused here, by design
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(source, config=small, dtype=dtype,
+                                                           output_loading_info=True)
+    finally:
+        quiet.setLevel(level)
+    # the configs the model's modules hold (transformers copies the one given): all blocks
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules())
+               if c is not None}
+    for c in configs.values():
+        for cfg in {id(c): c, id(c.get_text_config()): c.get_text_config()}.values():
+            if getattr(cfg, "num_hidden_layers", None) == 1:
+                cfg.num_hidden_layers = n_blocks
+                if layer_types is not None:
+                    cfg.layer_types = list(layer_types)
+    blocks_path, blocks = find_blocks(model)
+    parent = model.get_submodule(blocks_path.rpartition(".")[0])
+    block_config = getattr(parent, "config", model.config).get_text_config()
+    block_class = type(blocks[0])
+    with torch.device("meta"):
+        built = [block_class(block_config, layer_idx=i).to(dtype) for i in range(n_blocks)]
+    for block in built:  # empty parameters until a block runs (meta ones cannot be set)
+        for module in block.modules():
+            for name, param in module._parameters.items():
+                if param is not None:
+                    module._parameters[name] = torch.nn.Parameter(
+                        torch.empty(0, dtype=param.dtype), requires_grad=param.requires_grad)
+            if any(b is not None and b.is_meta for b in module._buffers.values()):
+                raise ValueError(f"{block_class.__name__} keeps buffers of its own; fp4sense "
+                                 "cannot build its blocks without loading them: use "
+                                 "--offload-dir DIR instead")
+    for i, block in enumerate(built):
+        if i < len(blocks):
+            blocks[i] = block
+        else:
+            blocks.append(block)
+    return model, info
+
+
+def _attach_blocks(model, source, text: str, dtype: torch.dtype,
+                   device: str | torch.device = "cpu") -> None:
+    """Read each block's weights from the model's files when it runs (one line naming the
+    first weight that is not in them, and the way out)."""
+    from fp4sense.diagnosis.offload import BlockStore
+    from fp4sense.diagnosis.units import find_blocks
+    from fp4sense.validate import InputError
+
+    files = _weight_files(source)
+    blocks_path, blocks = find_blocks(model)
+    names = [f"{blocks_path}.{i}.{n}" for i, b in enumerate(blocks)
+             for n, _ in b.named_parameters()]
+    absent = [n for n in names if n not in files]
+    if absent:
+        raise InputError(f"model {text!r} cannot be read block by block from its safetensors "
+                         f"files: {absent[0]} is not stored under that name"
+                         f"{f' ({len(absent)} weights)' if len(absent) > 1 else ''}; analyze "
+                         "it with --offload-dir DIR instead (blocks are copied there)")
+    model.fp4sense_blocks = BlockStore(model, blocks_path, device=device, files=files,
+                                       dtype=dtype)
 
 
 def _check_finite(model: torch.nn.Module, source: str) -> None:

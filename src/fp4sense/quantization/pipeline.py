@@ -38,6 +38,9 @@ def quantize_model(
     evaluate: bool = True,
     eval_windows: int = 16,
     overwrite: bool = False,
+    device: str = "cpu",
+    dtype: str | None = None,
+    low_memory: bool = False,
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> dict:
@@ -53,6 +56,13 @@ def quantize_model(
     Works in a temporary folder beside ``out_dir`` and renames it at the end, so an
     interrupted run never leaves a checkpoint that looks complete. Without
     ``overwrite`` a non-empty ``out_dir`` is refused before anything runs.
+
+    ``device`` and ``dtype`` place the estimate and the evaluation (default: the
+    protocol's CPU float32; the model is loaded in ``dtype``, never first in float32).
+    The oneshot step runs where llm-compressor puts it: its sequential pipeline onloads
+    one decoder block at a time to the first accelerator (the CPU when there is none),
+    from a model it loads in bfloat16. ``low_memory`` streams the estimate one decoder
+    block at a time from the model's own files (:func:`fp4sense.inputs.models.load_model`).
     """
     import shutil
     import tempfile
@@ -63,6 +73,7 @@ def quantize_model(
     from fp4sense.numerics.schemes import get_scheme
     from fp4sense.planning.milp import plan_cost, solve
     from fp4sense.publishing.lineage import hub_id_of, public_name, write_local_record
+    from fp4sense.runtime.devices import resolve
     from fp4sense.validate import check_output_folder, remove_dead_partials, write_owner
 
     out = Path(out_dir)
@@ -71,6 +82,7 @@ def quantize_model(
     check_output_folder(out, overwrite=overwrite,
                         protected=[base_path] if base_path.exists() else [])
     menu = [get_scheme(s).name for s in menu]
+    placement = resolve(device, dtype, log=log)
     if base_model_id is not None:
         hub_id_of("", base_model_id)  # a malformed id fails before anything runs
     if sum(x is not None for x in (budget_bits, budget_bytes, kl_target)) != 1:
@@ -78,7 +90,8 @@ def quantize_model(
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 
-    hf_model, tokenizer, notes = load_model(model)
+    hf_model, tokenizer, notes = load_model(model, placement.dtype, placement.device,
+                                            low_memory=low_memory)
     source = str(model) if model is not None else hf_model.config._name_or_path
     hub_id = hub_id_of(source, base_model_id)
     calib = analysis_windows(tokenizer, text, calib_windows, window_tokens)
@@ -130,7 +143,9 @@ def quantize_model(
             t = time.perf_counter()
             result["eval"] = evaluate_checkpoint(work, base=source, n_windows=eval_windows,
                                                  window_tokens=window_tokens,
-                                                 progress=progress)
+                                                 device=str(placement.device),
+                                                 dtype=placement.dtype, progress=progress,
+                                                 log=log)
             result["eval"]["checkpoint"] = out.resolve().name
             result["eval"]["base"] = public_name(source, hub_id)
             timings["eval_s"] = time.perf_counter() - t

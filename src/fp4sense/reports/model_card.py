@@ -141,8 +141,8 @@ def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str
         lines += ["## Measured", "",
                   f"On {e['windows']} windows × {e['window_tokens']} tokens of "
                   f"{_text_name(e['text'])} "
-                  "(fp4sense protocol: float32 on CPU, next-token distributions against the "
-                  "unquantized model):", "",
+                  f"(fp4sense protocol: {e.get('device', 'cpu float32')}, next-token distributions "
+                  "against the unquantized model):", "",
                   "| effective bits / weight | KL(base ‖ this) | perplexity | base perplexity "
                   "| top-1 agreement |", "|---|---|---|---|---|",
                   f"| {e['effective_bits']:.3f} | {e['kl']:.4f} ± {e['kl_se']:.4f} | "

@@ -1,0 +1,105 @@
+"""Many ranks under ``torchrun``: torch.distributed is the engine (gloo on CPUs, NCCL on
+GPUs); no process pool, sockets or job queue of our own.
+
+``torchrun --nproc-per-node N -m fp4sense analyze ...`` starts N copies; each calls
+:func:`init_from_env` (a no-op outside torchrun), takes its share of the work with
+:func:`shard`, and the results meet with :func:`gather`. Rank 0 writes the outputs.
+A rank that dies stops the others: torchrun ends the group, and a collective waits at
+most :data:`COLLECTIVE_TIMEOUT_S` before it fails with one line.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+
+__all__ = ["COLLECTIVE_TIMEOUT_S", "RankError", "gather", "init_from_env", "is_main", "leave",
+           "rank", "shard", "unshard", "world_size"]
+
+T = TypeVar("T")
+#: How long a rank waits for the others at a collective (a dead peer ends the run then).
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("FP4SENSE_RANK_TIMEOUT", "60"))
+
+
+class RankError(RuntimeError):
+    """Another rank stopped (died or was killed) before the work met; nothing of this
+    rank's finished entries is lost (they are in the analysis cache)."""
+
+
+def init_from_env(device: torch.device) -> bool:
+    """Join the process group torchrun describes (``WORLD_SIZE`` > 1); True when this
+    process is one of several ranks."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    return dist.get_world_size() > 1
+
+
+def leave() -> None:
+    """Leave the process group at the end of a command (no-op outside torchrun)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _active() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if _active() else 0
+
+
+def world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if _active() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def shard(items: Sequence[T]) -> list[T]:
+    """This rank's share: every ``world_size``-th item from its rank on."""
+    return list(items[rank()::world_size()])
+
+
+def gather(obj: T) -> list[T]:
+    """Every rank's ``obj``, in rank order (a one-element list outside torchrun)."""
+    if not _active():
+        return [obj]
+    import torch.distributed as dist
+
+    out: list = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(out, obj)
+    except RuntimeError as exc:  # a peer died: gloo/NCCL report it as a runtime error
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise RankError(f"rank {dist.get_rank()}: another rank stopped before the results "
+                        f"met ({first[:160]}); finished entries stay in the analysis "
+                        "cache, run again to resume") from None
+    return out
+
+
+def unshard(parts: Sequence[Sequence[T]], n: int) -> list[T]:
+    """Undo :func:`shard`: the gathered shares back in the original order of ``n`` items."""
+    out: list = [None] * n
+    for r, part in enumerate(parts):
+        for j, item in enumerate(part):
+            out[r + j * len(parts)] = item
+    return out
