@@ -312,12 +312,12 @@ def check_cache_memory(model, windows: torch.Tensor, units: UnitMap, modes, view
     from fp4sense.runtime.memory import check_fits
 
     n, tokens = len(windows), windows.shape[1]
-    hidden = model.config.get_text_config().hidden_size
+    embed = model.get_input_embeddings()  # the hidden size and vocabulary of any decoder
+    hidden, vocab = embed.embedding_dim, embed.num_embeddings
     itemsize = next(model.parameters()).element_size()
     need, parts = 0, []
     if "measured" in modes:
         copies = 2 if "block" in views else 1
-        vocab = model.config.get_text_config().vocab_size
         replay = (copies * n * units.n_blocks * tokens * hidden * itemsize
                   + min(n * tokens * vocab * 4, BASE_LOGPROB_BYTES))
         need += replay

@@ -38,7 +38,7 @@ def window_generator(seed: int, window: int, device: torch.device) -> torch.Gene
 def streamed_input_bytes(model, n_windows: int, window_tokens: int, n_blocks: int) -> int:
     """What the streamed estimate keeps on the CPU: every block's input for every window
     (hidden states in the model's dtype), plus one gradient per window in float32."""
-    hidden = model.config.get_text_config().hidden_size
+    hidden = model.get_input_embeddings().embedding_dim
     itemsize = next(model.parameters()).element_size()
     return n_windows * window_tokens * hidden * (n_blocks * itemsize + 4)
 
@@ -140,7 +140,7 @@ def _in_memory(run, scorer: _Scorer, scores: Scores, windows: Sequence[int], see
         for j, i in enumerate(tqdm(windows, desc="estimating (forward + backward)",
                                    leave=False, disable=not run.progress)):
             with torch.enable_grad():
-                logits = run.model(input_ids=run.windows[i][None], use_cache=False).logits
+                logits = run.model(input_ids=run.windows[i][None], **_no_cache(run.model)).logits
                 scorer.tokens = logits.shape[1] - 1
                 _sampled_loss(logits, window_generator(seed, i, run.device)).backward()
             if run.store is not None:
@@ -176,7 +176,7 @@ def _streamed(run, scorer: _Scorer, scores: Scores, windows: Sequence[int], seed
                                        disable=not run.progress)):
                 current["j"] = j
                 memo.clear()
-                run.model(input_ids=run.windows[i][None], use_cache=False)
+                run.model(input_ids=run.windows[i][None], **_no_cache(run.model))
     finally:
         for h in handles:
             h.remove()
@@ -187,7 +187,7 @@ def _streamed(run, scorer: _Scorer, scores: Scores, windows: Sequence[int], seed
         leaf = _hidden(last[j]).to(device).requires_grad_(True)
         source = [[_with_hidden(last[j], leaf)]] * n_blocks  # every block replays it
         with run.replayed(n_blocks, {"i": 0}, source), torch.enable_grad():
-            logits = run.model(input_ids=run.windows[i][None], use_cache=False).logits
+            logits = run.model(input_ids=run.windows[i][None], **_no_cache(run.model)).logits
             _sampled_loss(logits, window_generator(seed, i, device)).backward()
         scorer.tokens = logits.shape[1] - 1
         grads[j] = leaf.grad.detach().to("cpu")
@@ -215,6 +215,15 @@ def _streamed(run, scorer: _Scorer, scores: Scores, windows: Sequence[int], seed
     finally:
         for h in handles:
             h.remove()
+
+
+def _no_cache(model) -> dict:
+    """``use_cache=False`` where the model takes it: a recomputed block must not append
+    to a key/value cache its first forward filled."""
+    import inspect
+
+    return {"use_cache": False} if "use_cache" in inspect.signature(
+        model.forward).parameters else {}
 
 
 def _linears_by_block(run) -> list[set[str]]:
