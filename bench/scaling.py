@@ -58,8 +58,17 @@ def child(folder: str, mode: str, low_memory: bool, windows: int, tokens: int) -
     views = ["grid"] if mode == "estimated" else ["component"]
     analyze(model, ids, schemes=["NVFP4"], views=views, modes=[mode], grid_blocks=[],
             progress=False, log=lambda m: None)
-    return {"wall_s": round(time.perf_counter() - t, 1),
-            "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
+    return {"wall_s": round(time.perf_counter() - t, 1), "peak_rss_gib": peak_rss_gib()}
+
+
+def peak_rss_gib() -> float:
+    """This process's own high-water mark (VmHWM). Not getrusage's ru_maxrss: Linux carries
+    that over from the parent through fork and exec, so a child would report the peak of
+    the parent that built the models."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 2**20, 3)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
 
 
 def main() -> int:

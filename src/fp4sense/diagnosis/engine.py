@@ -5,8 +5,10 @@ perturbation (measured), and one forward + backward per window scoring every lin
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -65,21 +67,15 @@ class Analysis:
             self.store = BlockStore(model, units.blocks_path, offload_dir, self.device)
             self.original = Originals(self.modules, self.store)
             model.to(self.device)  # the blocks are empty now: the rest moves
-        self.qweights: dict[tuple[Unit, str], list[torch.Tensor]] = {}
+        self.qweights: OrderedDict[tuple[Unit, str], list[torch.Tensor]] = OrderedDict()
         self.qweight_bytes = 0
-        # blocks out of memory: quantized weights of a few blocks at most (room for four
-        # schemes of the largest block, bf16), the oldest dropped when a new one comes
-        per_block: dict[int, int] = {}
-        for unit in units.units:
-            per_block[unit.block] = per_block.get(unit.block, 0) + unit.numel
-        self.qweight_budget = WEIGHT_CACHE_BYTES if self.store is None else min(
-            WEIGHT_CACHE_BYTES, 4 * 2 * max(per_block.values(), default=0))
         self.quant_out: tuple[str, list[list], dict] | None = None
 
     def quantized(self, unit: Unit, scheme: str) -> list[torch.Tensor]:
-        """The unit's fake-quantized weights (kept while under ``qweight_budget``)."""
+        """The unit's fake-quantized weights (the last used kept, WEIGHT_CACHE_BYTES in all)."""
         kept = self.qweights.get((unit, scheme))
         if kept is not None:
+            self.qweights.move_to_end((unit, scheme))
             return [w.to(self.original[m].dtype) for w, m in zip(kept, unit.modules,
                                                                   strict=True)]
         ws = quantize_weights(scheme, [self.original[m] for m in unit.modules])
@@ -90,13 +86,16 @@ class Analysis:
         else:  # pragma: no cover - a model whose weights are not bf16-derived
             ws_kept = ws
         size = sum(w.numel() * w.element_size() for w in ws_kept)
-        if self.store is not None and self.qweight_bytes + size > self.qweight_budget:
-            self.qweights.clear()  # streaming: the next block's weights replace the last's
-            self.qweight_bytes = 0
-        if self.qweight_bytes + size <= self.qweight_budget:
+        if size <= WEIGHT_CACHE_BYTES:  # the least recently used make room
+            while self.qweights and self.qweight_bytes + size > WEIGHT_CACHE_BYTES:
+                _, old = self.qweights.popitem(last=False)
+                self.qweight_bytes -= sum(w.numel() * w.element_size() for w in old)
             self.qweights[(unit, scheme)] = ws_kept
             self.qweight_bytes += size
         return ws
+
+    def _quantized_one(self, unit: Unit, scheme: str, index: int) -> torch.Tensor:
+        return self.quantized(unit, scheme)[index]
 
     # --- base pass: block outputs, base log-probs, activation statistics ---------------
     @torch.no_grad()
@@ -159,12 +158,14 @@ class Analysis:
         try:
             for (unit, scheme), names in by_unit.items():
                 mods = [self.modules[m] for m in unit.modules]
-                qws = self.quantized(unit, scheme)
+                qws = (self.quantized(unit, scheme) if self.store is None
+                       else [None] * len(mods))
                 for name, mod, qw in zip(unit.modules, mods, qws, strict=True):
                     if name not in names:
                         continue
-                    if self.store is not None:  # applied when the block is loaded
-                        self.store.overrides[f"{name}.weight"] = qw
+                    if self.store is not None:  # quantized when its block is loaded
+                        self.store.overrides[f"{name}.weight"] = partial(
+                            self._quantized_one, unit, scheme, unit.modules.index(name))
                         overridden.append(f"{name}.weight")
                     else:
                         saved.append((mod, mod.weight.data))
@@ -330,6 +331,9 @@ def check_cache_memory(model, windows: torch.Tensor, units: UnitMap, modes, view
         need = max(need, kept)  # the measured caches are released before the estimate
         parts.append(f"streamed estimate {kept / 2**30:.2f} GiB")
     if parts:
+        weights = min(WEIGHT_CACHE_BYTES, 2 * sum(u.numel for u in units.units))
+        need += weights
+        parts.append(f"quantized weights {weights / 2**30:.2f} GiB")
         check_fits(need, f"analysis caches ({', '.join(parts)}; {n} windows x "
                    f"{units.n_blocks} blocks)", "lower --windows or --tokens (or share the "
                    "estimate's windows across more ranks with torchrun)", log)

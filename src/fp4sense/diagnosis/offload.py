@@ -95,14 +95,19 @@ class BlockStore:
             with safe_open(str(file), "pt", device=str(self.device)) as fh:
                 for name, full, key in items:
                     value = self.overrides.get(full)
+                    if callable(value):  # a perturbation computed when its block loads
+                        value = value()
                     params[name].data = (value if value is not None
                                          else self._cast(fh.get_tensor(key)))
         self.loaded.add(i)
 
     def _drop(self, i: int) -> None:
+        from fp4sense.runtime.memory import return_freed_memory
+
         for param in self.blocks[i].parameters():
             param.data = torch.empty(0, dtype=param.dtype, device=self.device)
         self.loaded.discard(i)
+        return_freed_memory()  # the block's memory goes back, not to the heap
 
     def _load_hook(self, i: int):
         def hook(module, args, kwargs=None):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["GiB", "available_bytes", "check_fits"]
+__all__ = ["GiB", "available_bytes", "check_fits", "return_freed_memory"]
 
 GiB = 2**30
 
@@ -32,3 +32,25 @@ def check_fits(need: int, what: str, fix: str, log=print) -> None:
     if need > have:
         raise ValueError(f"{what} needs {need / GiB:.2f} GiB but {have / GiB:.2f} GiB are "
                          f"available; {fix}")
+
+
+def return_freed_memory() -> bool:
+    """Give memory freed inside the process back to the operating system (glibc's
+    ``malloc_trim``): tensors freed when a decoder block is dropped otherwise stay in the
+    allocator's heap, and the process's resident memory ratchets up block after block.
+    Costs page faults when the memory is needed again (bench/scaling.py measures it). A
+    no-op where libc is not glibc."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018 - glibc only
+        except (OSError, AttributeError):
+            _LIBC = False
+    return bool(_LIBC and _LIBC.malloc_trim(0))
+
+
+_LIBC = None
