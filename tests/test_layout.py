@@ -90,3 +90,26 @@ def test_python_m_fp4sense_is_the_cli():
     out = subprocess.run([sys.executable, "-m", "fp4sense", "--version"], capture_output=True,
                          text=True, check=True)
     assert fp4sense.__version__ in out.stdout
+
+
+def test_a_view_without_a_rendering_gets_a_plain_table():
+    """report.md renders registered views with their own tables; any other view in the
+    report gets the plain one (target, KL, ΔPPL, top-1), so a new view shows up at once."""
+    import dataclasses
+
+    import torch
+    from test_sensitivity import _ToyLM
+
+    from fp4sense.diagnosis import analyze
+    from fp4sense.reports.analysis import RENDERINGS, markdown
+
+    assert {"component", "block_isolate", "grid"} <= set(RENDERINGS)
+    windows = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    report = analyze(_ToyLM().eval(), windows, schemes=["NVFP4"], views=["component"],
+                     modes=["estimated"], progress=False, log=lambda m: None)
+    extra = dataclasses.replace(report.entries[0], view="attention_only", target="attn")
+    report.entries.append(extra)
+    page = markdown(report, {}, [])
+    assert "### Components, NVFP4 (estimated)" in page
+    assert "### View attention_only, NVFP4 (estimated)" in page
+    assert "| target | KL | ΔPPL | top-1 agreement |" in page

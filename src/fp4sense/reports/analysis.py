@@ -156,15 +156,7 @@ def register_rendering(view: str, *, plot=None, plot_name: str | None = None,
 @register_rendering("component", plot=plot_components, plot_name="components",
                     title="Components")
 def _component_tables(report: SensitivityReport) -> list[str]:
-    lines = []
-    for scheme, mode, table in _tables(report, "component"):
-        lines += [f"### Components, {scheme} ({mode})", "",
-                  "| component | KL | ΔPPL | top-1 agreement |", "|---|---|---|---|"]
-        lines += [f"| {e.target} | {_fmt(e.kl, e.kl_se)} | {_fmt(e.dppl, e.dppl_se, 3)} | "
-                  f"{_fmt(e.top1, e.top1_se, 3)} |"
-                  for e in sorted(table.values(), key=lambda e: e.kl, reverse=True)]
-        lines.append("")
-    return lines
+    return _entry_tables(report, "component", "Components", "component")
 
 
 @register_rendering("block_isolate", plot=plot_blocks, plot_name="blocks", title="Blocks",
@@ -196,10 +188,15 @@ def _grid_tables(report: SensitivityReport) -> list[str]:
 
 
 def _generic_tables(report: SensitivityReport, view: str) -> list[str]:
+    return _entry_tables(report, view, f"View {view}", "target")
+
+
+def _entry_tables(report: SensitivityReport, view: str, heading: str, label: str) -> list[str]:
+    """One table per scheme and mode: every target's KL, ΔPPL and top-1, worst first."""
     lines = []
     for scheme, mode, table in _tables(report, view):
-        lines += [f"### View {view}, {scheme} ({mode})", "",
-                  "| target | KL | ΔPPL | top-1 agreement |", "|---|---|---|---|"]
+        lines += [f"### {heading}, {scheme} ({mode})", "",
+                  f"| {label} | KL | ΔPPL | top-1 agreement |", "|---|---|---|---|"]
         lines += [f"| {e.target} | {_fmt(e.kl, e.kl_se)} | {_fmt(e.dppl, e.dppl_se, 3)} | "
                   f"{_fmt(e.top1, e.top1_se, 3)} |"
                   for e in sorted(table.values(), key=lambda e: e.kl, reverse=True)]
