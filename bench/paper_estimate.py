@@ -88,12 +88,12 @@ def estimate(name: str, m: dict, gpus: int, fraction: dict) -> dict:
     return {
         "model": name, "gpus": gpus, "params_b": round(params / 1e9, 1),
         "weights_gb_bf16": round(weights_gb, 1), "fits_one_gpu": fits,
-        "estimated_min": round((est_flops / (a["gpu_bf16_peak_flops"]
-                                             * fraction["estimated_fraction_of_peak"])
-                                + est_io) / 60, 1),
-        "measured_min": round((meas_flops / (a["gpu_bf16_peak_flops"]
-                                             * fraction["measured_fraction_of_peak"])
-                               + meas_io) / 60, 1),
+        # reading the weights once (loading, or the first streamed pass) comes on top
+        "load_s": round(weights_gb / a["disk_gb_s"]),
+        "estimated_s": round(est_flops / (a["gpu_bf16_peak_flops"]
+                                          * fraction["estimated_fraction_of_peak"]) + est_io),
+        "measured_s": round(meas_flops / (a["gpu_bf16_peak_flops"]
+                                          * fraction["measured_fraction_of_peak"]) + meas_io),
         "estimate_cpu_cache_gib": round(
             m["layers"] * hidden_bytes / gpus / 2**30, 1),  # streamed block inputs
         "measured_replay_gib": round(2 * m["layers"] * hidden_bytes / 2**30, 1),
