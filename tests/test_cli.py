@@ -91,8 +91,9 @@ def test_interrupt_exits_130_with_one_line(tiny_llama, text_file, tmp_path):
     import signal
     import time
 
+    # long enough (8 windows x 256 tokens) that the interrupt lands while it measures
     proc = subprocess.Popen([FP4SENSE, "analyze", str(tiny_llama), "--text", str(text_file),
-                             "--tokens", "64", "--windows", "2", "--no-cache", "--views",
+                             "--tokens", "256", "--windows", "8", "--no-cache", "--views",
                              "component,block,grid", "--out", str(tmp_path / "a")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120

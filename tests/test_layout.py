@@ -98,10 +98,10 @@ def test_a_view_without_a_rendering_gets_a_plain_table():
     import dataclasses
 
     import torch
-    from test_sensitivity import _ToyLM
 
     from fp4sense.diagnosis import analyze
     from fp4sense.reports.analysis import RENDERINGS, markdown
+    from test_sensitivity import _ToyLM
 
     assert {"component", "block_isolate", "grid"} <= set(RENDERINGS)
     windows = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
