@@ -95,7 +95,10 @@ def test_interrupt_exits_130_with_one_line(tiny_llama, text_file, tmp_path):
     proc = subprocess.Popen([FP4SENSE, "analyze", str(tiny_llama), "--text", str(text_file),
                              "--tokens", "256", "--windows", "8", "--no-cache", "--views",
                              "component,block,grid", "--out", str(tmp_path / "a")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # as at a terminal: a shell's background job (CI launched with
+                            # &) ignores SIGINT, and children inherit that
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     seen = ""
     while "measuring" not in seen and time.time() < deadline:  # progress bar: work started

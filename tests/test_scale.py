@@ -298,7 +298,7 @@ def test_a_rank_that_dies_stops_the_others_in_one_line(tmp_path):
             distributed.gather({"rank": 0})
         except distributed.RankError as exc:
             print(f"fp4sense: error: {exc}", file=sys.stderr)
-            sys.exit(1)
+            distributed.leave(1)  # how the CLI ends after it
         sys.exit(0)
     """))
     port = _free_port()

@@ -334,12 +334,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_OK
-    try:
-        return run_command(args.func, args)
-    finally:
-        from fp4sense.runtime.distributed import leave
+    from fp4sense.runtime.distributed import leave
 
-        leave()
+    code = EXIT_INTERRUPTED
+    try:
+        code = run_command(args.func, args)
+        return code
+    finally:
+        leave(code)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -44,10 +44,21 @@ def init_from_env(device: torch.device) -> bool:
     return dist.get_world_size() > 1
 
 
-def leave() -> None:
-    """Leave the process group at the end of a command (no-op outside torchrun)."""
+_broken = False
+
+
+def leave(code: int = 0) -> None:
+    """Leave the process group at the end of a command (no-op outside torchrun). After a
+    peer died the group's threads cannot be joined (a normal exit would abort in
+    C++), so the process ends here with ``code``, its output flushed."""
+    import sys
+
     import torch.distributed as dist
 
+    if _broken:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -89,6 +100,8 @@ def gather(obj: T) -> list[T]:
     try:
         dist.all_gather_object(out, obj)
     except RuntimeError as exc:  # a peer died: gloo/NCCL report it as a runtime error
+        global _broken
+        _broken = True
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise RankError(f"rank {dist.get_rank()}: another rank stopped before the results "
                         f"met ({first[:160]}); finished entries stay in the analysis "
