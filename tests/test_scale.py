@@ -167,8 +167,8 @@ def test_dtype_reaches_every_linear_in_both_modes(tmp_path):
     assert {e.mode for e in report.entries} == {"measured", "estimated"}
 
 
-def test_auto_is_the_cpu_in_float32_here_and_the_default_is_the_protocol():
-    assert not torch.cuda.is_available()  # this suite runs on CPU machines
+def test_auto_is_the_cpu_in_float32_without_a_gpu_and_the_default_is_the_protocol(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # any machine
     for asked in ("auto", "cpu", None):
         p = devices.resolve(asked)
         assert (p.device, p.dtype) == (torch.device("cpu"), torch.float32)
