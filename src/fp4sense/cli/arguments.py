@@ -90,7 +90,8 @@ def analyze_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schemes", type=non_empty, default="NVFP4,MXFP4",
                    help="comma-separated schemes of the menu (see `fp4sense schemes`)")
     p.add_argument("--views", type=non_empty, default="component,block",
-                   help="comma-separated views: component, block, grid")
+                   help="comma-separated views: component, block, grid, experts (MoE: "
+                   "each expert alone; best with --mode estimated)")
     p.add_argument("--mode", choices=["measured", "estimated", "both"], default="measured",
                    help="measured (isolation runs), estimated (one Fisher pass), or both")
     p.add_argument("--grid-blocks", type=block_list, default=None,

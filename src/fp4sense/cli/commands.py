@@ -176,7 +176,9 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     if args.json:
         _emit_json({"out": str(args.out), "base_ppl": report.base_ppl,
                     "cost": report.cost, "correlations": report.correlations,
-                    "findings": findings(report)})
+                    "findings": findings(report),
+                    "unaccounted_weights": report.units.unaccounted,
+                    "left_alone": report.units.left_alone, "routing": report.routing})
     else:
         print()
         for line in findings(report):

@@ -22,7 +22,7 @@ from fp4sense.diagnosis.units import Unit, UnitMap
 from fp4sense.evaluation.metrics import window_metrics
 from fp4sense.numerics.fakequant import activation_quantizer, quantize_weights
 
-__all__ = ["Analysis", "Perturbation", "check_cache_memory"]
+__all__ = ["Analysis", "Perturbation", "check_cache_memory", "quantize_unit"]
 
 Perturbation = dict[str, tuple[Unit, str]]  # linear name -> (its unit, scheme)
 #: Memory for fake-quantized weights kept between perturbations.
@@ -30,6 +30,18 @@ WEIGHT_CACHE_BYTES = 1024 * 2**20
 #: Memory for the base model's log-probs; beyond it they are recomputed from the cached
 #: last block output (only the head runs) when needed.
 BASE_LOGPROB_BYTES = 1024 * 2**20
+
+
+def quantize_unit(scheme: str, unit: Unit, weights: Sequence[torch.Tensor]
+                  ) -> list[torch.Tensor]:
+    """``unit``'s weights fake-quantized under ``scheme``, each of its scale groups on
+    its own (a fused group shares one NVFP4 global scale; MoE experts one per expert)."""
+    out: list[torch.Tensor | None] = [None] * len(weights)
+    for part in unit.scale_groups:
+        for i, w in zip(part, quantize_weights(scheme, [weights[i] for i in part]),
+                        strict=True):
+            out[i] = w
+    return out
 
 
 class Analysis:
@@ -53,6 +65,7 @@ class Analysis:
         self.stats: dict[str, dict] | None = None
         self.base_ppl_value = float("nan")
         self.block_forwards = 0
+        self.routing: dict[str, list[int]] = {}  # MoE unit -> tokens routed to each expert
         # the unquantized weights (perturbations swap .data and put these back)
         attached = getattr(model, "fp4sense_blocks", None)  # load_model(low_memory=True)
         if attached is not None:
@@ -78,7 +91,7 @@ class Analysis:
             self.qweights.move_to_end((unit, scheme))
             return [w.to(self.original[m].dtype) for w, m in zip(kept, unit.modules,
                                                                   strict=True)]
-        ws = quantize_weights(scheme, [self.original[m] for m in unit.modules])
+        ws = quantize_unit(scheme, unit, [self.original[m] for m in unit.modules])
         # quantized in bf16, so bf16 keeps them exactly at half the memory of float32
         compact = [w.to(torch.bfloat16) for w in ws]
         if all(torch.equal(c.to(w.dtype), w) for c, w in zip(compact, ws, strict=True)):
@@ -123,8 +136,11 @@ class Analysis:
                 s["p999"].append(float(x.topk(k).values[-1]))
             return hook
 
+        experts = {m for u in self.units.units if u.experts for m in u.modules}
         handles = [b.register_forward_hook(block_hook(i)) for i, b in enumerate(self.blocks)]
-        handles += [self.modules[m].register_forward_pre_hook(stat_hook(m)) for m in stats]
+        handles += [self.modules[m].register_forward_pre_hook(stat_hook(m)) for m in stats
+                    if m not in experts]
+        handles += self._expert_hooks(stat_hook)
         try:
             for i, window in enumerate(tqdm(self.windows, desc="base model", leave=False,
                                             disable=not self.progress)):
@@ -144,6 +160,20 @@ class Analysis:
             p999 = float(np.mean(s["p999"]))
             self.stats[m] = {"absmax": s["absmax"], "p999": p999,
                              "outlier_ratio": s["absmax"] / p999 if p999 > 0 else float("inf")}
+
+    def _expert_hooks(self, stat_hook) -> list:
+        """MoE: every expert's input statistics over all tokens, as llm-compressor
+        calibrates experts (so no expert gets an empty, zero or NaN input scale), and the
+        tokens the router sends to each expert (``self.routing``)."""
+        from fp4sense.diagnosis.experts import run_on_all_tokens
+
+        handles: list = []
+        self.routing = {}
+        for unit in (u for u in self.units.units if u.experts):
+            counts = self.routing.setdefault(unit.name, [0] * unit.experts)
+            handles += run_on_all_tokens(self.modules, self.units.blocks_path, unit,
+                                         stat_hook, counts)
+        return handles
 
     # --- perturbations ------------------------------------------------------------------
     @contextmanager

@@ -62,6 +62,7 @@ class SensitivityReport:
     entries: list[Entry]
     base_ppl: float
     activation_stats: dict[str, dict] = field(default_factory=dict)
+    routing: dict[str, list[int]] = field(default_factory=dict)  # MoE unit -> tokens/expert
     skipped: list[dict] = field(default_factory=list)
     cost: dict = field(default_factory=dict)
     correlations: list[dict] = field(default_factory=list)

@@ -11,6 +11,19 @@ Found from the module structure, not from one family's names:
 
 A *kind* names a unit's place inside its block (``self_attn.q_proj+k_proj+v_proj``,
 ``mlp.down_proj``); the component view groups units by kind across blocks.
+
+Mixture-of-Experts blocks (experts as per-expert linears, :mod:`fp4sense.inputs.moe`):
+
+- the routed experts of a block - an ``nn.ModuleList`` whose children hold linears of
+  one structure - are **one unit** (``mlp.experts``): vLLM's fused-MoE layer takes one
+  scheme for all projections of all experts. Inside it, each expert's fused group
+  (gate/up) shares an NVFP4 global scale (``Unit.parts``), as llm-compressor writes it;
+- shared experts are ordinary linears, so units of their own;
+- routers and shared-expert gates (linears of a MoE block whose output is one score per
+  expert, or one) are never quantized: listed in ``UnitMap.left_alone`` with the reason;
+- any other module holding more than 1% of the model's weights in tensors fp4sense does
+  not quantize is named in ``UnitMap.unaccounted`` (a warning in the report), never
+  skipped silently.
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from fp4sense.diagnosis.experts import expert_lists, expert_unit, left_alone, unaccounted
 from fp4sense.numerics.schemes import get_scheme
 
 __all__ = ["Unit", "UnitError", "UnitMap", "find_blocks", "find_units", "short_kind"]
@@ -38,14 +52,29 @@ class Unit:
     modules: tuple[str, ...]
     in_features: int
     out_features: tuple[int, ...]
+    # MoE experts: each module's input width (when they differ), the groups of module
+    # indices sharing an NVFP4 global scale (default: all), the number of experts
+    in_each: tuple[int, ...] = ()
+    parts: tuple[tuple[int, ...], ...] = ()
+    experts: int = 0
 
     @property
     def name(self) -> str:
         return f"{self.block}:{self.kind}"
 
     @property
+    def inputs(self) -> tuple[int, ...]:
+        """Each module's input width."""
+        return self.in_each or (self.in_features,) * len(self.modules)
+
+    @property
     def numel(self) -> int:
-        return self.in_features * sum(self.out_features)
+        return sum(i * o for i, o in zip(self.inputs, self.out_features, strict=True))
+
+    @property
+    def scale_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Module indices quantized together (one NVFP4 global scale each)."""
+        return self.parts or (tuple(range(len(self.modules))),)
 
     @property
     def fused(self) -> bool:
@@ -54,18 +83,24 @@ class Unit:
     def why_infeasible(self, scheme: str) -> str | None:
         """Why ``scheme`` cannot take this unit, or None when it can."""
         need = get_scheme(scheme).block_size
-        if need and self.in_features % need:
-            return (f"input dimension {self.in_features} is not divisible by {scheme}'s "
-                    f"block size {need}")
+        for width in dict.fromkeys(self.inputs):
+            if need and width % need:
+                return (f"input dimension {width} is not divisible by {scheme}'s "
+                        f"block size {need}")
         return None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        for key in ("in_each", "parts", "experts"):  # dense units: as before
+            if not d[key]:
+                d.pop(key)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Unit:
         return cls(d["block"], d["kind"], tuple(d["modules"]), d["in_features"],
-                   tuple(d["out_features"]))
+                   tuple(d["out_features"]), tuple(d.get("in_each", ())),
+                   tuple(tuple(p) for p in d.get("parts", ())), d.get("experts", 0))
 
 
 @dataclass
@@ -76,6 +111,9 @@ class UnitMap:
     n_blocks: int
     units: list[Unit]
     outside: list[str] = field(default_factory=list)  # linears left alone, not in a block
+    left_alone: dict[str, str] = field(default_factory=dict)  # in a block: name -> why
+    unaccounted: dict[str, float] = field(default_factory=dict)  # name -> share of weights
+    experts_per_token: int = 0  # MoE: experts each token is routed to
 
     @property
     def kinds(self) -> list[str]:
@@ -98,13 +136,18 @@ class UnitMap:
         return [m for u in self.units for m in u.modules]
 
     def to_dict(self) -> dict:
-        return {"blocks_path": self.blocks_path, "n_blocks": self.n_blocks,
-                "units": [u.to_dict() for u in self.units], "outside": self.outside}
+        d = {"blocks_path": self.blocks_path, "n_blocks": self.n_blocks,
+             "units": [u.to_dict() for u in self.units], "outside": self.outside}
+        if self.left_alone or self.unaccounted or self.experts_per_token:
+            d.update(left_alone=self.left_alone, unaccounted=self.unaccounted,
+                     experts_per_token=self.experts_per_token)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> UnitMap:
         return cls(d["blocks_path"], d["n_blocks"], [Unit.from_dict(u) for u in d["units"]],
-                   list(d.get("outside", [])))
+                   list(d.get("outside", [])), dict(d.get("left_alone", {})),
+                   dict(d.get("unaccounted", {})), d.get("experts_per_token", 0))
 
 
 def find_blocks(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
@@ -150,8 +193,9 @@ def find_units(model: torch.nn.Module, sample: torch.Tensor | None = None) -> Un
     def hook(module, args):
         x = args[0]
         keep_alive.append(x)
-        # the same tensor object (or a view of the same storage) = the same input
-        seen_inputs.setdefault(linear_names[module],
+        # the same tensor object (or a view of the same storage) = the same input; empty
+        # ones (an expert no token reached) share no storage: told apart by identity
+        seen_inputs.setdefault(linear_names[module], ("empty", id(x)) if not x.numel() else
                                (x.untyped_storage().data_ptr(), x.storage_offset(),
                                 tuple(x.shape), tuple(x.stride())))
 
@@ -167,14 +211,21 @@ def find_units(model: torch.nn.Module, sample: torch.Tensor | None = None) -> Un
 
     units: list[Unit] = []
     in_blocks: set[str] = set()
+    left: dict[str, str] = {}
     for index, block in enumerate(blocks):
         prefix = f"{blocks_path}.{index}"
+        lists = expert_lists(block)
+        mine = [expert_unit(index, prefix, rel, children, seen_inputs)
+                for rel, children in lists.items()]
+        left.update(left_alone(block, prefix, lists))
         groups: dict[tuple, list[str]] = {}
         for rel, module in block.named_modules():
             if not isinstance(module, torch.nn.Linear):
                 continue
             full = f"{prefix}.{rel}"
             in_blocks.add(full)
+            if full in left or any(rel.startswith(f"{p}.") for p in lists):
+                continue
             key = seen_inputs.get(full, ("unused", full))
             groups.setdefault(key, []).append(rel)
         for rels in groups.values():
@@ -182,10 +233,18 @@ def find_units(model: torch.nn.Module, sample: torch.Tensor | None = None) -> Un
             ins = {m.in_features for m in mods}
             if len(ins) != 1:  # pragma: no cover - same input implies same width
                 raise UnitError(f"block {index}: {rels} share an input of different widths")
-            units.append(Unit(index, _kind(rels), tuple(f"{prefix}.{r}" for r in rels),
-                              ins.pop(), tuple(m.out_features for m in mods)))
+            mine.append(Unit(index, _kind(rels), tuple(f"{prefix}.{r}" for r in rels),
+                             ins.pop(), tuple(m.out_features for m in mods)))
+        order = {f"{prefix}.{rel}": i for i, (rel, _) in enumerate(block.named_modules())}
+        units += sorted(mine, key=lambda u: order[u.modules[0]])  # as the block holds them
     outside = sorted(n for n in linear_names.values() if n not in in_blocks)
-    return UnitMap(blocks_path, len(blocks), units, outside)
+    known = {m for u in units for m in u.modules} | set(outside) | set(left)
+    config = getattr(model, "config", None)
+    per_token = 0
+    if any(u.experts for u in units) and config is not None:
+        per_token = int(getattr(config.get_text_config(), "num_experts_per_tok", 0) or 0)
+    return UnitMap(blocks_path, len(blocks), units, outside, left,
+                   unaccounted(model, known), per_token)
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:

@@ -5,8 +5,9 @@ replays it; it is registered with :func:`register_view` under the ``--views`` op
 that asks for it. Built in: ``component`` (one kind in every block, fused groups and
 their single linears), ``model`` (everything: the uniform baseline), ``block_isolate``
 (one block quantized), ``block_protect`` (all blocks but one; blocks before it replay the
-fully quantized model), ``grid`` (every unit alone). The estimated mode scores every
-linear once and sums a target's linears, for every view alike.
+fully quantized model), ``grid`` (every unit alone), ``expert`` (MoE: each expert of each
+block alone). The estimated mode scores every linear once and sums a target's linears,
+for every view alike.
 
 *Measured*: the real damage when only the perturbed units run fake-quantized
 (:mod:`fp4sense.numerics.fakequant`), as KL(base || quantized), ΔPPL and top-1 agreement on the
@@ -88,11 +89,23 @@ def _component(units: UnitMap, blocks) -> list[tuple[str, Members]]:
     for kind in units.kinds:
         members = units.of_kind(kind)
         out.append((kind, [(u, u.modules) for u in members]))
-        if members[0].fused:  # the single linears of a fused group as well
+        if members[0].experts:  # one projection of all experts (which projection hurts)
+            out += _projections(kind, members)
+        elif members[0].fused:  # the single linears of a fused group as well
             prefix = units.blocks_path
             for part in range(len(members[0].modules)):
                 rel = members[0].modules[part].split(".", prefix.count(".") + 2)[-1]
                 out.append((rel, [(u, (u.modules[part],)) for u in members]))
+    return out
+
+
+def _projections(kind: str, members: list[Unit]) -> list[tuple[str, Members]]:
+    """``mlp.experts.*.down_proj``: that projection of every expert, in every block."""
+    width = len(members[0].modules) // members[0].experts
+    out = []
+    for j in range(width):
+        rel = members[0].modules[j].split(f".{kind}.", 1)[1].split(".", 1)[1]
+        out.append((f"{kind}.*.{rel}", [(u, u.modules[j::width]) for u in members]))
     return out
 
 
@@ -133,6 +146,18 @@ def _grid(units: UnitMap, blocks) -> list[tuple[str, Members]]:
     keep = set(blocks) if blocks is not None else None
     return [(u.name, [(u, u.modules)]) for u in units.units
             if keep is None or u.block in keep]
+
+
+@register_view("expert", "experts")
+def _experts(units: UnitMap, blocks) -> list[tuple[str, Members]]:
+    """MoE: each expert of each block alone (``3:mlp.experts.5``: which experts are
+    fragile); best with ``--mode estimated``, which scores them all in one pass."""
+    out = []
+    for u in units.units:
+        width = len(u.modules) // u.experts if u.experts else 0
+        out += [(f"{u.name}.{e}", [(u, u.modules[e * width:(e + 1) * width])])
+                for e in range(u.experts)]
+    return out
 
 
 def view_options() -> tuple[str, ...]:
@@ -198,6 +223,10 @@ def analyze(
     schemes = check_request(schemes, views, modes)
     t0 = time.perf_counter()
     units = find_units(model, windows[:1, :16])
+    for name, share in units.unaccounted.items():
+        log(f"warning: {name} holds {share:.1%} of the model's weights in tensors fp4sense "
+            "neither quantizes nor knows (not a linear, embedding, norm or router); they "
+            "stay as they are")
     if grid_blocks is not None:
         grid_blocks = list(grid_blocks)
         absent = sorted(set(grid_blocks) - set(range(units.n_blocks)))
@@ -315,7 +344,7 @@ def _run_views(run: Analysis, model, windows, units, cache, schemes, views, mode
         if cached_stats is None:
             run.base_pass()
     if run.stats is not None and cache.get("stats") is None:
-        item = {"stats": run.stats, "base_ppl": run.base_ppl()}
+        item = {"stats": run.stats, "base_ppl": run.base_ppl(), "routing": run.routing}
         if distributed.is_main():
             cache.put("stats", item)
         else:
@@ -327,7 +356,7 @@ def _run_views(run: Analysis, model, windows, units, cache, schemes, views, mode
               "window_tokens": int(windows.shape[1]), "cache_key": key},
         schemes=list(schemes), units=units, entries=entries,
         base_ppl=stats_item["base_ppl"], activation_stats=stats_item["stats"],
-        skipped=skipped, cost=cost,
+        routing=stats_item.get("routing", {}), skipped=skipped, cost=cost,
     )
     cost["total_seconds"] = round(time.perf_counter() - t0, 2)
     report.correlations = correlations(report)

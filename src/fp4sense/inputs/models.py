@@ -53,6 +53,8 @@ def load_model(source: str | os.PathLike | None = None, dtype: torch.dtype = tor
             model, info = AutoModelForCausalLM.from_pretrained(source, dtype=dtype,
                                                                output_loading_info=True)
         tokenizer = AutoTokenizer.from_pretrained(source)
+    except InputError:
+        raise
     except Exception as exc:  # truncated files, unknown architectures, offline hub, ...
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise InputError(f"could not load model {text!r} as a causal LM "
@@ -68,6 +70,9 @@ def load_model(source: str | os.PathLike | None = None, dtype: torch.dtype = tor
     if low_memory:
         _attach_blocks(model, source, text, dtype, device)
     else:
+        from fp4sense.inputs.moe import linearize_experts
+
+        linearize_experts(model, text)  # MoE: per-expert linears, as the host saves them
         _check_finite(model, text)  # (low memory: each block is read when it runs)
     if torch.device(device) != model.device:
         model.to(device)
@@ -131,6 +136,14 @@ def _load_without_blocks(source, dtype: torch.dtype):
                 cfg.num_hidden_layers = n_blocks
                 if layer_types is not None:
                     cfg.layer_types = list(layer_types)
+    from fp4sense.inputs.moe import fused_experts
+
+    if fused_experts(model):
+        from fp4sense.validate import InputError
+
+        raise InputError(f"model {str(source)!r} keeps its experts as 3-D parameters, which "
+                         "--low-memory cannot read block by block yet: use --offload-dir DIR "
+                         "instead (the experts are split per expert and copied there)")
     blocks_path, blocks = find_blocks(model)
     parent = model.get_submodule(blocks_path.rpartition(".")[0])
     block_config = getattr(parent, "config", model.config).get_text_config()

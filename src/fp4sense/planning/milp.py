@@ -147,8 +147,8 @@ class Plan:
 
 def unit_bits(unit: Unit, scheme: str) -> float:
     """Stored bits per weight of ``unit`` under ``scheme`` (its linears together)."""
-    total = sum(bits_per_weight(scheme, (out, unit.in_features)) * out * unit.in_features
-                for out in unit.out_features)
+    total = sum(bits_per_weight(scheme, (out, width)) * out * width
+                for width, out in zip(unit.inputs, unit.out_features, strict=True))
     return total / unit.numel
 
 

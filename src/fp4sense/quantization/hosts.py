@@ -4,7 +4,10 @@ The core (``src/fp4sense``) imports no host framework (llm-compressor, vLLM, opt
 not even inside a function; a static import contract in the tests keeps it so. Hosts
 register what the core calls as entry points: ``fp4sense.quantizers`` names a function
 that applies a saved plan to a model and writes the compressed checkpoint
-(``fp4sense-llmcompressor`` registers ``llmcompressor``).
+(``fp4sense-llmcompressor`` registers ``llmcompressor``); ``fp4sense.moe_linearizers``
+names a function that rewrites a model's fused 3-D experts as one ``nn.Linear`` per expert
+and projection, the layout the host calibrates and saves (llm-compressor's
+``linearize_moe``).
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
-__all__ = ["QUANTIZERS", "HostMissingError", "quantizer"]
+__all__ = ["MOE_LINEARIZERS", "QUANTIZERS", "HostMissingError", "host", "quantizer"]
 
 #: entry-point group of plan appliers: f(source, calib, work, *, plan, gptq) -> recipe YAML
 QUANTIZERS = "fp4sense.quantizers"
 DEFAULT_QUANTIZER = "llmcompressor"
+#: entry-point group of expert linearizers: f(model) -> model (experts as nn.Linear)
+MOE_LINEARIZERS = "fp4sense.moe_linearizers"
 
 
 class HostMissingError(ValueError):
@@ -25,10 +30,16 @@ class HostMissingError(ValueError):
 
 def quantizer(name: str = DEFAULT_QUANTIZER) -> Callable[..., str]:
     """The plan applier registered under ``name`` in :data:`QUANTIZERS`."""
-    found = {ep.name: ep for ep in entry_points(group=QUANTIZERS)}
+    return host(QUANTIZERS, name, "quantizing")
+
+
+def host(group: str, name: str = DEFAULT_QUANTIZER, what: str = "this") -> Callable:
+    """The function a host registered under ``name`` in the entry-point ``group``
+    (``what`` names the work that needs it, in the error)."""
+    found = {ep.name: ep for ep in entry_points(group=group)}
     if name not in found:
         raise HostMissingError(
-            f"quantizing needs the fp4sense-{name} plugin (entry point {QUANTIZERS}:{name}), "
+            f"{what} needs the fp4sense-{name} plugin (entry point {group}:{name}), "
             f"which is not installed here (found: {sorted(found) or 'none'}); "
             f"pip install fp4sense-{name}")
     try:

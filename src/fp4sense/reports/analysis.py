@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from fp4sense.diagnosis import Entry, SensitivityReport
+from fp4sense.reports.moe import moe_findings, moe_lines, plot_routing
 from fp4sense.reports.plots import (
     plot_blocks,
     plot_components,
@@ -98,7 +99,7 @@ def findings(report: SensitivityReport) -> list[str]:
     for c in report.correlations:
         out.append(f"**Estimate vs measurement**: {c['view']} / {c['scheme']}: Spearman ρ = "
                    f"{c['spearman']:.2f} over {c['n']} targets.")
-    return out
+    return out + moe_findings(report)
 
 
 def _tables(report: SensitivityReport, view: str):
@@ -227,6 +228,8 @@ def markdown(report: SensitivityReport, plots: dict[str, str], notes: list[str])
     for r in RENDERINGS.values():
         if r.plot_name in plots:
             lines += [f"![{r.title}]({plots[r.plot_name]})", ""]
+    if "routing" in plots:
+        lines += [f"![tokens routed to each expert]({plots['routing']})", ""]
     shown = {v for r in RENDERINGS.values() for v in (r.view, *r.also)}
     for r in RENDERINGS.values():
         lines += r.tables(report)
@@ -244,6 +247,7 @@ def markdown(report: SensitivityReport, plots: dict[str, str], notes: list[str])
                   "W4A4 schemes quantize these inputs; large ratios mean a few outliers set "
                   "the block scales.", "", "| unit kind | median over blocks | worst |",
                   "|---|---|---|", *rows, ""]
+    lines += moe_lines(report)
     c = report.cost
     lines += ["### Cost", ""]
     if c.get("naive_block_forwards"):
@@ -283,6 +287,9 @@ def write_analysis(report: SensitivityReport, out_dir: str | os.PathLike,
             if p is not None:
                 paths[r.plot_name] = p
                 made[r.plot_name] = p.name
+    if plots and plot_routing(report, out / "routing.png") is not None:
+        paths["routing"] = out / "routing.png"
+        made["routing"] = "routing.png"
     md = out / "report.md"
     md.write_text(markdown(report, made, notes or []))
     paths["report"] = md

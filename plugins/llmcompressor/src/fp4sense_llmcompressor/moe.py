@@ -1,0 +1,21 @@
+"""MoE experts in the layout llm-compressor calibrates, quantizes and saves.
+
+transformers 5 keeps a block's routed experts as 3-D parameters in one module; llm-compressor
+rewrites them as one ``nn.Linear`` per expert and projection (``linearize_moe``) before it
+calibrates, and saves that layout (``experts.E.gate_proj.weight``, what vLLM loads).
+fp4sense analyzes the same modules, so its units, fake quantization and plans name exactly
+what llm-compressor writes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["linearize"]
+
+
+def linearize(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every experts module llm-compressor knows linearized (in place)."""
+    from llmcompressor.modeling.moe.linearize import linearize_moe
+
+    return linearize_moe(model)
