@@ -30,6 +30,22 @@ FAMILIES: dict[str, tuple[str, str, dict, str]] = {
              "q/k/v and gate/up stored fused"),
 }
 
+#: Mixture-of-Experts families (8 experts, 2 per token): transformers 5 keeps their
+#: experts as 3-D parameters; Qwen2-MoE adds a shared expert and its gate, Mixtral stores
+#: experts under other names (block_sparse_moe.experts.N.w1) than the linearized modules
+MOE_FAMILIES: dict[str, tuple[str, str, dict, str]] = {
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                  {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                   "decoder_sparse_step": 1}, "routed experts, q/k norms"),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+                  {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                   "shared_expert_intermediate_size": 128, "decoder_sparse_step": 1},
+                  "routed + shared expert with its gate, q/k/v biases"),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig",
+                {"num_local_experts": 8, "num_experts_per_tok": 2},
+                "routed experts stored as w1/w2/w3"),
+}
+
 COMMON = {"vocab_size": 49152, "hidden_size": 128, "intermediate_size": 256,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
           "head_dim": 32, "max_position_embeddings": 1024,
@@ -43,7 +59,7 @@ def make_family_model(family: str, path: Path, tokenizer_from: Path | None = Non
     """Save a 2-block random ``family`` model (bf16) at ``path``; copy a tokenizer in."""
     import transformers
 
-    model_cls, config_cls, overrides, _ = FAMILIES[family]
+    model_cls, config_cls, overrides, _ = {**FAMILIES, **MOE_FAMILIES}[family]
     config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(torch.bfloat16)

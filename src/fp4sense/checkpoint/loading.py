@@ -92,12 +92,97 @@ def load_checkpoint(folder, promote_mxfp4: bool = False, device: str | torch.dev
     """
     from transformers import AutoModelForCausalLM
 
+    from fp4sense.validate import InputError
+
     # compressed-tensors decompresses FP4 weights to bf16 on the first forward; loading
     # straight into float32 then fails on a dtype mismatch. So load in bf16, let one
     # forward decompress, then compute in ``dtype``.
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    if _has_fused_experts(folder):
+        model = _load_linearized(folder).eval()
+    else:
+        model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
+                                                           output_loading_info=True)
+        model.eval()
+        missing = [k for k in info.get("missing_keys", ()) if not k.endswith("_buffer")]
+        if missing:
+            raise InputError(f"checkpoint {str(folder)!r} lacks {len(missing)} tensor(s) the "
+                             f"model needs ({', '.join(sorted(missing)[:3])}"
+                             f"{', ...' if len(missing) > 3 else ''}); they would be random: "
+                             "write the checkpoint again")
     model.to(device)
     model(input_ids=torch.tensor([[0, 1]], device=model.device))
     model.to(dtype)
     act_layers, notes = apply_served_activation_quantization(model, promote_mxfp4)
     return model, act_layers, notes
+
+
+def _has_fused_experts(folder) -> bool:
+    """Whether the model a checkpoint describes keeps experts as 3-D parameters."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fp4sense.inputs.moe import fused_experts
+
+    config = AutoConfig.from_pretrained(folder)
+    if getattr(config.get_text_config(), "num_hidden_layers", None):
+        config.get_text_config().num_hidden_layers = 1  # one block shows the layout
+    with torch.device("meta"):
+        probe = AutoModelForCausalLM.from_config(_without_quantization(config))
+    return bool(fused_experts(probe))
+
+
+def _without_quantization(config):
+    import copy
+
+    plain = copy.deepcopy(config)
+    if hasattr(plain, "quantization_config"):
+        del plain.quantization_config
+    return plain
+
+
+def _load_linearized(folder) -> torch.nn.Module:
+    """A MoE checkpoint whose experts are stored per expert (as llm-compressor writes
+    them): the model is built with per-expert linears (the host's layout), the
+    compressed-tensors config applied to it as transformers' quantizer does, the tensors
+    loaded - every one the model needs, or one line naming the first that is not there -
+    and the weights decompressed."""
+    import json
+    from pathlib import Path
+
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fp4sense.inputs.moe import linearize_experts
+    from fp4sense.validate import InputError
+
+    config = AutoConfig.from_pretrained(folder)
+    quantization = getattr(config, "quantization_config", None)
+    model = AutoModelForCausalLM.from_config(_without_quantization(config),
+                                             dtype=torch.bfloat16)
+    linearize_experts(model, str(folder))
+    compressor = None
+    if quantization is not None:
+        qconfig = QuantizationConfig.model_validate(quantization)
+        apply_quantization_config(model, qconfig, run_compressed=False, show_progress=False)
+        compressor = ModelCompressor(quantization_config=qconfig)
+        compressor.compress_model(model)  # the stored layout (packed weights, scales)
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    files = (sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+             if index.is_file() else [folder / "model.safetensors"])
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if getattr(config.get_text_config(), "tie_word_embeddings", False):
+        model.tie_weights()
+        missing = [k for k in missing if k != "lm_head.weight"]
+    bad = [f"{k} (missing)" for k in missing] + [f"{k} (not in the model)" for k in unexpected]
+    if bad:
+        raise InputError(f"checkpoint {str(folder)!r} does not match its model: "
+                         f"{', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''} "
+                         f"({len(bad)} tensors); write the checkpoint again")
+    if compressor is not None:
+        compressor.decompress_model(model)
+    return model

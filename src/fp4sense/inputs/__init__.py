@@ -1,3 +1,4 @@
 """What the stages read: the model (``models``: loading with every check), the text
 (``texts``: calibration / evaluation windows per protocol), the bundled offline assets
-(``assets``) and GGUF files converted to a Hugging Face folder (``gguf``)."""
+(``assets``), GGUF files converted to a Hugging Face folder (``gguf``) and MoE experts
+in the per-expert layout their host quantizes (``moe``)."""

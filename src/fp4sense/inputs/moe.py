@@ -15,7 +15,7 @@ import torch
 
 from fp4sense.validate import InputError
 
-__all__ = ["ExpertLayoutError", "fused_experts", "linearize_experts"]
+__all__ = ["ExpertLayoutError", "check_stored_names", "fused_experts", "linearize_experts"]
 
 
 class ExpertLayoutError(InputError):
@@ -55,3 +55,32 @@ def linearize_experts(model: torch.nn.Module, source: str = "") -> torch.nn.Modu
             "@use_experts_implementation) or a linearized class registered with "
             "llm-compressor (LinearExperts2D)")
     return model
+
+
+def check_stored_names(model: torch.nn.Module, source) -> None:
+    """Refuse, before any work, a MoE whose files store experts under other names than
+    the per-expert linears (Mixtral's ``block_sparse_moe.experts.N.w1``): a plan names
+    the linears, and vLLM matches a checkpoint's config groups against stored names, so
+    the two must agree. Models without experts, or without local safetensors, pass."""
+    from fp4sense.diagnosis.experts import expert_lists
+    from fp4sense.diagnosis.units import find_blocks
+    from fp4sense.inputs.models import _weight_files
+
+    blocks_path, blocks = find_blocks(model)
+    lists = expert_lists(blocks[0])
+    if not lists:
+        return
+    files = _weight_files(source)
+    rel, children = next(iter(lists.items()))
+    name = f"{blocks_path}.0.{rel}.{children[0][0]}"
+    linear = next(n for n, m in children[0][1].named_modules()
+                  if isinstance(m, torch.nn.Linear))
+    key = f"{name}.{linear}.weight"
+    if files and key not in files:
+        stored = sorted(k for k in files if ".experts." in k and k.startswith(
+            f"{blocks_path}.0."))[:1]
+        raise ExpertLayoutError(
+            f"model {str(source)!r} stores its experts under other names ("
+            f"{stored[0] if stored else 'not per expert'}) than the per-expert linears "
+            f"fp4sense plans ({key}); vLLM matches a checkpoint's config groups against the "
+            "stored names, so fp4sense cannot quantize this family yet (analyze works)")

@@ -96,11 +96,15 @@ class Plan:
     def targets(self) -> dict[str, list[str]]:
         """scheme -> compressed-tensors targets (one regex per unit kind) for its units."""
         by: dict[str, dict[str, list[str]]] = {}
+        experts: dict[str, list[str]] = {}  # MoE kind -> the projections of one expert
         for c in self.choices:
             if not get_scheme(c.scheme).quantizes:
                 continue
             block, _, kind = c.unit.partition(":")
             by.setdefault(c.scheme, {}).setdefault(kind, []).append(block)
+            inside = f"{self.blocks_path}.{block}.{kind}."
+            if all(m.startswith(inside) for m in c.modules):  # experts.E.<projection>
+                experts[kind] = sorted({m[len(inside):].split(".", 1)[1] for m in c.modules})
         out: dict[str, list[str]] = {}
         for scheme, kinds in by.items():
             out[scheme] = []
@@ -110,6 +114,9 @@ class Plan:
                 leaf_re = re.escape(leaf[0]) if len(leaf) == 1 else \
                     "(" + "|".join(re.escape(x) for x in leaf) + ")"
                 path = (re.escape(parent) + r"\." if parent else "") + leaf_re
+                if kind in experts:  # every expert's projections
+                    path = (re.escape(kind) + r"\.\d+\.("
+                            + "|".join(re.escape(p) for p in experts[kind]) + ")")
                 nums = "|".join(sorted(blocks, key=int))
                 out[scheme].append(f"re:^{re.escape(self.blocks_path)}\\.({nums})\\.{path}$")
         return out

@@ -1,2 +1,3 @@
-"""What a person reads: the analysis report (``analysis``: Markdown, findings, plots)
-and a checkpoint's model card (``model_card``)."""
+"""What a person reads: the analysis report (``analysis``: Markdown, findings; ``plots``;
+``moe``: experts, routing coverage, what stays in 16 bits) and a checkpoint's model card
+(``model_card``)."""

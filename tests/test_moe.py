@@ -1,0 +1,230 @@
+"""Mixture-of-Experts models: experts found as units (never skipped), routers left alone
+with the reason, expert fake quantization bit for bit what llm-compressor writes, input
+statistics from all tokens, routing coverage in the report, and `fp4sense quantize`
+writing a checkpoint whose experts are all quantized."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+import torch
+
+from conftest import FP4SENSE, SMALL
+from families import MOE_FAMILIES, make_family_model
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory, assets) -> dict:
+    root = tmp_path_factory.mktemp("moe")
+    return {f: make_family_model(f, root / f, tokenizer_from=assets["model"])
+            for f in MOE_FAMILIES}
+
+
+def _load(path):
+    from fp4sense.inputs.models import load_model
+
+    return load_model(path)[0]
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_experts_are_one_unit_per_block_and_nothing_is_skipped(family, moe_models):
+    from fp4sense.diagnosis.experts import ROUTER, SHARED_GATE
+    from fp4sense.diagnosis.units import find_units
+
+    model = _load(moe_models[family])
+    units = find_units(model)
+    experts = [u for u in units.units if u.experts]
+    assert [u.block for u in experts] == [0, 1]
+    for u in experts:
+        assert u.kind == "mlp.experts" and u.experts == 8
+        assert len(u.modules) == 24  # gate, up, down of each expert
+        # each expert's gate/up share an NVFP4 global scale, its down its own
+        assert len(u.parts) == 16
+        for part in u.parts:
+            names = {u.modules[i].rsplit(".", 2)[1] for i in part}
+            assert len(names) == 1, part  # never across experts
+            assert sorted(m.rsplit(".", 1)[1] for m in (u.modules[i] for i in part)) in (
+                ["gate_proj", "up_proj"], ["down_proj"])
+        assert u.numel == sum(model.get_submodule(m).weight.numel() for m in u.modules)
+    routers = {n for n, why in units.left_alone.items() if why == ROUTER}
+    assert routers == {f"model.layers.{b}.mlp.gate" for b in (0, 1)}
+    gates = {n for n, why in units.left_alone.items() if why == SHARED_GATE}
+    assert gates == ({f"model.layers.{b}.mlp.shared_expert_gate" for b in (0, 1)}
+                     if family == "qwen2_moe" else set())
+    if family == "qwen2_moe":  # the shared expert: units of its own
+        assert "0:mlp.shared_expert.gate_proj+up_proj" in units.by_name()
+        assert "0:mlp.shared_expert.down_proj" in units.by_name()
+    assert units.unaccounted == {} and units.experts_per_token == 2
+    # every 2-D weight is a unit's, left alone with a reason, outside the blocks or an
+    # embedding: nothing skipped without a word
+    covered = {m for u in units.units for m in u.modules} | set(units.left_alone) | set(
+        units.outside) | {"model.embed_tokens"}
+    held = {n for n, m in model.named_modules()
+            if any(p.dim() == 2 for p in m._parameters.values() if p is not None)}
+    assert held <= covered
+
+
+def test_an_unexplained_weight_is_named(moe_models):
+    from fp4sense.diagnosis.units import find_units
+
+    model = _load(moe_models["qwen3_moe"])
+    holder = torch.nn.Module()
+    holder.table = torch.nn.Parameter(torch.randn(8, 256, 128))
+    model.model.layers[1].mlp.lookup = holder
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.lookup .*layout"):
+        from fp4sense.inputs.moe import linearize_experts
+
+        linearize_experts(model)
+    holder.table = torch.nn.Parameter(torch.randn(2048, 128))  # 2-D, 2% of the model
+    units = find_units(model)
+    assert list(units.unaccounted) == ["model.layers.1.mlp.lookup"]
+    assert units.unaccounted["model.layers.1.mlp.lookup"] > 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["NVFP4A16", "MXFP4A16", "FP8_DYNAMIC"])
+def test_expert_weights_equal_the_checkpoint_llm_compressor_writes(scheme, moe_models,
+                                                                   tmp_path):
+    from fp4sense.checkpoint.loading import load_checkpoint
+    from fp4sense.diagnosis.engine import quantize_unit
+    from fp4sense.diagnosis.units import find_units
+    from test_schemes import _oneshot
+
+    source = moe_models["qwen3_moe"]
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    recipe = QuantizationModifier(targets=["Linear"], scheme=scheme,
+                                  ignore=["lm_head", r"re:.*mlp\.gate$"])
+    served, _, _ = load_checkpoint(_oneshot(source, scheme, tmp_path / scheme,
+                                            recipe=recipe))
+    base = _load(source)
+    checked = 0
+    for unit in (u for u in find_units(base).units if u.experts):
+        ours = quantize_unit(scheme, unit, [base.get_submodule(m).weight for m in unit.modules])
+        for name, w in zip(unit.modules, ours, strict=True):
+            assert torch.equal(w, served.get_submodule(name).weight), (scheme, name)
+            checked += 1
+    assert checked == 48
+
+
+def test_expert_statistics_come_from_all_tokens_and_routing_is_counted(moe_models):
+    from fp4sense.diagnosis.cache import EntryCache
+    from fp4sense.diagnosis.engine import Analysis
+    from fp4sense.diagnosis.units import find_units
+
+    model = _load(moe_models["qwen3_moe"])
+    router = model.model.layers[0].mlp.gate
+
+    def never_expert_7(module, args, output):  # a router that never picks expert 7
+        logits, weights, index = output
+        return logits, weights, torch.where(index == 7, (index + 1) % 7, index)
+
+    router.register_forward_hook(never_expert_7)
+    windows = torch.randint(1, 49152, (2, 32), generator=torch.Generator().manual_seed(0))
+    units = find_units(model, windows[:1, :16])
+    run = Analysis(model, windows, units, EntryCache(None), progress=False)
+    run.base_pass()
+    assert set(run.routing) == {"0:mlp.experts", "1:mlp.experts"}
+    for counts in run.routing.values():
+        assert sum(counts) == 2 * 32 * 2  # every token goes to 2 experts
+    assert run.routing["0:mlp.experts"][7] == 0
+    unit = units.by_name()["0:mlp.experts"]
+    # expert 7 got no token, yet every expert's inputs were seen on all tokens
+    gate_max = {run.stats[m]["absmax"] for m in unit.modules if m.endswith("gate_proj")}
+    assert len(gate_max) == 1 and gate_max.pop() > 0
+    for m in unit.modules:
+        assert 0 < run.stats[m]["absmax"] < float("inf"), m
+
+
+@pytest.mark.slow
+def test_analyze_reports_experts_coverage_and_left_alone(moe_models, text_file, tmp_path):
+    out = tmp_path / "report"
+    done = subprocess.run([FP4SENSE, "analyze", str(moe_models["qwen2_moe"]), "--text",
+                           str(text_file), "--schemes", "NVFP4", "--mode", "estimated",
+                           "--views", "component,experts", "--windows", "2", "--tokens", "64",
+                           "--out", str(out), "--no-cache", "--json"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout)
+    assert set(summary["routing"]) == {"0:mlp.experts", "1:mlp.experts"}
+    assert "model.layers.0.mlp.shared_expert_gate" in summary["left_alone"]
+    report = json.loads((out / "sensitivity.json").read_text())
+    targets = {e["target"] for e in report["entries"] if e["view"] == "component"}
+    assert {"mlp.experts", "mlp.experts.*.gate_proj", "mlp.experts.*.down_proj"} <= targets
+    experts = {e["target"] for e in report["entries"] if e["view"] == "expert"}
+    assert experts == {f"{b}:mlp.experts.{e}" for b in (0, 1) for e in range(8)}
+    md = (out / "report.md").read_text()
+    assert "### Experts" in md and "tokens routed" in md and "routing.png" in md
+    assert "shared-expert gate" in md
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_quantize_writes_every_expert_quantized(family, moe_models, text_file, tmp_path):
+    from safetensors import safe_open
+
+    from fp4sense.checkpoint.loading import load_checkpoint
+
+    out = tmp_path / family
+    done = subprocess.run([FP4SENSE, "quantize", str(moe_models[family]), "--text",
+                           str(text_file), "--budget", "5.0", "--out", str(out), *SMALL],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    plan = json.loads((out / "plan.json").read_text())
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    with safe_open(str(out / "model.safetensors"), "pt") as fh:
+        stored = set(fh.keys())
+    experts = [c for c in plan["choices"] if c["unit"].endswith("mlp.experts")]
+    assert len(experts) == 2
+    for choice in experts:
+        # the one scheme of a fused-MoE layer: every expert linear in one config group
+        groups = {g for m in choice["modules"]
+                  for g, group in config["config_groups"].items()
+                  if any(re.match(t[3:], m) for t in group["targets"])}
+        assert len(groups) == 1, choice["unit"]
+        for m in choice["modules"]:
+            assert f"{m}.weight_scale" in stored, m  # quantized, never left in 16 bits
+    assert not any(k.endswith("mlp.gate.weight_scale") for k in stored)  # routers alone
+    model, _, _ = load_checkpoint(out)  # loads, every tensor accounted for
+    assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+
+
+def test_quantize_refuses_experts_stored_under_other_names(moe_models, text_file, tmp_path):
+    out = tmp_path / "mixtral-q"
+    done = subprocess.run([FP4SENSE, "quantize", str(moe_models["mixtral"]), "--text",
+                           str(text_file), "--budget", "5.0", "--out", str(out), *SMALL],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    line = done.stderr.strip().splitlines()[-1]
+    assert "block_sparse_moe.experts.0.w1" in line and "analyze works" in line
+    assert not out.exists() and not list(tmp_path.glob(".mixtral-q*"))
+
+
+def test_a_plan_never_splits_a_fused_moe_layer(moe_models):
+    from compressed_tensors.utils import match_name
+
+    from fp4sense.diagnosis import analyze
+    from fp4sense.planning.milp import solve
+
+    model = _load(moe_models["qwen3_moe"])
+    windows = torch.randint(1, 49152, (2, 32), generator=torch.Generator().manual_seed(0))
+    report = analyze(model, windows, schemes=["NVFP4", "FP8_DYNAMIC"], views=["grid"],
+                     modes=["estimated"], cache_dir=None, log=lambda msg: None)
+    # a pin naming one projection of one expert takes the whole layer with it
+    plan = solve(report, budget_bits=6.0, menu=["NVFP4", "FP8_DYNAMIC", "BF16"],
+                 pins={r"model\.layers\.0\.mlp\.experts\.3\.down_proj": "FP8_DYNAMIC"},
+                 mode="estimated")
+    chosen = {c.unit: c for c in plan.choices}
+    assert chosen["0:mlp.experts"].scheme == "FP8_DYNAMIC"
+    groups = plan.config_groups()
+    for unit in ("0:mlp.experts", "1:mlp.experts"):
+        c = chosen[unit]
+        assert len(c.modules) == 24
+        hits = {g for m in c.modules for g, s in groups.items()
+                if any(match_name(m, t) for t in s.targets)}
+        assert len(hits) <= 1  # one scheme (none: left in 16 bits) for all its experts
+        if c.scheme != "BF16":
+            assert len(hits) == 1
