@@ -228,3 +228,28 @@ def test_a_plan_never_splits_a_fused_moe_layer(moe_models):
         assert len(hits) <= 1  # one scheme (none: left in 16 bits) for all its experts
         if c.scheme != "BF16":
             assert len(hits) == 1
+    # the bits count every expert; a token computes with 2 of 8 of them
+    assert chosen["0:mlp.experts"].active == 0.25
+    assert chosen["0:self_attn.o_proj"].active == 1.0
+    shares = [(c.bits, c.numel * c.active) for c in plan.choices]
+    assert plan.active_bits == pytest.approx(sum(b * w for b, w in shares)
+                                             / sum(w for _, w in shares))
+
+
+def test_experts_a_format_cannot_take_are_named(tmp_path, assets):
+    import transformers
+
+    from families import COMMON
+    from fp4sense.diagnosis.units import find_units
+
+    name, cfg, overrides, _ = MOE_FAMILIES["qwen3_moe"]
+    config = getattr(transformers, cfg)(**{**COMMON, **overrides,
+                                           "moe_intermediate_size": 40})
+    getattr(transformers, name)(config).to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    transformers.AutoTokenizer.from_pretrained(assets["model"]).save_pretrained(tmp_path / "m")
+    unit = find_units(_load(tmp_path / "m")).by_name()["0:mlp.experts"]
+    assert unit.why_infeasible("FP8_DYNAMIC") is None
+    for scheme, block in (("NVFP4", 16), ("MXFP4", 32)):
+        why = unit.why_infeasible(scheme)
+        assert why == (f"input dimension 40 is not divisible by {scheme}'s block size "
+                       f"{block}"), why

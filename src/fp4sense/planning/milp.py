@@ -50,6 +50,7 @@ class Choice:
     numel: int
     damage: float  # predicted KL contribution
     modules: tuple[str, ...]
+    active: float = 1.0  # share of the unit's weights one token computes with (MoE: k/E)
 
 
 @dataclass
@@ -72,6 +73,13 @@ class Plan:
         """Average stored bits per weight over the quantizable linears (theory)."""
         return (sum(c.bits * c.numel for c in self.choices)
                 / sum(c.numel for c in self.choices))
+
+    @property
+    def active_bits(self) -> float:
+        """Average bits per weight one token computes with: a MoE's routed experts count
+        with the share of them a token runs (equals :attr:`bits` for a dense model)."""
+        return (sum(c.bits * c.numel * c.active for c in self.choices)
+                / sum(c.numel * c.active for c in self.choices))
 
     @property
     def score(self) -> str:
@@ -129,6 +137,7 @@ class Plan:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["achieved_bits_theory"] = self.bits
+        d["active_bits"] = self.active_bits
         d["predicted_kl"] = self.predicted_kl
         d["schemes"] = self.schemes()
         return d
@@ -144,7 +153,7 @@ class Plan:
         if d.get("version") != PLAN_VERSION:
             raise PlanError(f"{path}: plan layout version {d.get('version')!r}, this fp4sense "
                             f"reads {PLAN_VERSION}; plan again")
-        for key in ("achieved_bits_theory", "predicted_kl", "schemes"):
+        for key in ("achieved_bits_theory", "active_bits", "predicted_kl", "schemes"):
             d.pop(key, None)
         if "score" in d:  # plan.json of 0.4
             d["damage_source"] = d.pop("score")
@@ -277,7 +286,9 @@ def solve(
                             f"under {kl_target}; raise the target or add a wider scheme")
         raise PlanError(f"the planner found no solution ({res.message})")  # pragma: no cover
     chosen = [options[j] for j in np.flatnonzero(res.x > 0.5)]
-    choices = [Choice(units[i].name, s, b, units[i].numel, d, units[i].modules)
+    k = report.units.experts_per_token
+    choices = [Choice(units[i].name, s, b, units[i].numel, d, units[i].modules,
+                      k / units[i].experts if units[i].experts and k else 1.0)
                for i, s, b, d in sorted(chosen)]
     objective = ({"budget_bits": budget_bits} if budget_bits is not None else
                  {"budget_bytes": budget_bytes} if budget_bytes is not None else

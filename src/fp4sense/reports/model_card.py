@@ -136,6 +136,7 @@ def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str
         lines.append(f"| {scheme} | {count} | {share:.1%} |")
     lines += ["", f"Predicted KL (sum over units): {plan.predicted_kl:.4f}. Per unit: "
               "`plan.json`; sensitivities: `sensitivity.json`.", ""]
+    lines += _experts_lines(folder, plan)
     if evaluation:
         e = evaluation
         lines += ["## Measured", "",
@@ -180,3 +181,29 @@ def _objective(objective: dict) -> str:
     if "budget_bytes" in objective:
         return f"a budget of {objective['budget_bytes']:,} bytes"
     return f"the fewest bits keeping predicted KL under {objective['kl_target']}"
+
+
+def _experts_lines(folder: Path, plan) -> list[str]:
+    """A MoE plan: what the bits count, and experts the calibration text hardly reached
+    (from the folder's sensitivity.json); nothing for a dense model."""
+    if all(c.active == 1.0 for c in plan.choices):
+        return []
+    lines = ["### Experts", "",
+             "Each block's routed experts are one unit (vLLM's fused-MoE layer takes one "
+             f"scheme for all of them). {plan.bits:.2f} bits per weight count every expert "
+             f"(what memory holds); a token computes with {plan.active_bits:.2f} bits per "
+             "weight (the experts it is routed to). Routers stay in 16 bits."]
+    saved = folder / "sensitivity.json"
+    if saved.is_file():
+        import json
+
+        from fp4sense.reports.moe import LOW_COVERAGE, low_coverage
+
+        few = low_coverage(json.loads(saved.read_text()).get("routing", {}))
+        if few:
+            lines.append(
+                f"Experts that got under {LOW_COVERAGE:.0%} of an even share of the "
+                "calibration tokens (their input scales still come from all tokens, as "
+                "llm-compressor calibrates experts): " + "; ".join(
+                    f"{u}: {', '.join(str(e) for e, _ in v)}" for u, v in few.items()) + ".")
+    return lines + [""]

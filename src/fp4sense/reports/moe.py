@@ -16,11 +16,11 @@ __all__ = ["LOW_COVERAGE", "low_coverage", "moe_findings", "moe_lines", "plot_ro
 LOW_COVERAGE = 0.1
 
 
-def low_coverage(report: SensitivityReport) -> dict[str, list[tuple[int, int]]]:
+def low_coverage(routing: dict[str, list[int]]) -> dict[str, list[tuple[int, int]]]:
     """MoE unit -> [(expert, tokens)] of experts that got less than LOW_COVERAGE of an
-    even share of the routed tokens (none: an empty dict)."""
+    even share of the routed tokens (``routing``: unit -> tokens per expert)."""
     out = {}
-    for unit, counts in report.routing.items():
+    for unit, counts in routing.items():
         even = sum(counts) / max(len(counts), 1)
         few = [(e, n) for e, n in enumerate(counts) if n < LOW_COVERAGE * even]
         if few:
@@ -31,7 +31,7 @@ def low_coverage(report: SensitivityReport) -> dict[str, list[tuple[int, int]]]:
 def moe_findings(report: SensitivityReport) -> list[str]:
     """Findings about experts: coverage and unexplained weights (none for dense models)."""
     out = []
-    few = low_coverage(report)
+    few = low_coverage(report.routing)
     if few:
         named = sum(len(v) for v in few.values())
         shown = "; ".join(f"{u}: " + ", ".join(f"expert {e} ({n} tokens)" for e, n in v[:4])
@@ -67,7 +67,7 @@ def moe_lines(report: SensitivityReport) -> list[str]:
         if report.routing:
             lines += ["| experts unit | tokens routed (min / median / max per expert) | "
                       "experts under " f"{LOW_COVERAGE:.0%} of an even share |", "|---|---|---|"]
-            few = low_coverage(report)
+            few = low_coverage(report.routing)
             for name, counts in report.routing.items():
                 low = ", ".join(str(e) for e, _ in few.get(name, [])) or "-"
                 lines.append(f"| {name} | {min(counts)} / {int(np.median(counts))} / "
