@@ -190,6 +190,17 @@ def test_quantize_writes_every_expert_quantized(family, moe_models, text_file, t
     assert not any(k.endswith("mlp.gate.weight_scale") for k in stored)  # routers alone
     model, _, _ = load_checkpoint(out)  # loads, every tensor accounted for
     assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+    # one expert's scale missing: eval names the tensor, in one line
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(out / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.3.down_proj.weight_scale"]
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    done = subprocess.run([FP4SENSE, "eval", str(out), "--windows", "1", "--tokens", "32"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1].endswith(
+        "model.layers.1.mlp.experts.3.down_proj has no weight_scale tensor")
 
 
 def test_quantize_refuses_experts_stored_under_other_names(moe_models, text_file, tmp_path):
