@@ -264,3 +264,25 @@ def test_experts_a_format_cannot_take_are_named(tmp_path, assets):
         why = unit.why_infeasible(scheme)
         assert why == (f"input dimension 40 is not divisible by {scheme}'s block size "
                        f"{block}"), why
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_an_nvfp4_moe_checkpoint_runs_in_vllm(family, moe_models, text_file, tmp_path,
+                                               serve_python):
+    """vLLM's CPU platform gets fp4sense's NVFP4 fused-MoE experts (the plugin); a plan
+    mixing NVFP4 and 16-bit units across attention, experts and shared experts serves."""
+    out = tmp_path / family
+    done = subprocess.run([FP4SENSE, "quantize", str(moe_models[family]), "--text",
+                           str(text_file), "--budget", "8.0", "--menu", "NVFP4,BF16",
+                           "--out", str(out), "--no-eval", *SMALL[:6]],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    schemes = {c["scheme"] for c in json.loads((out / "plan.json").read_text())["choices"]
+               if c["unit"].endswith("mlp.experts")}
+    assert "NVFP4" in schemes
+    done = subprocess.run([FP4SENSE, "verify-vllm", str(out), "--windows", "1", "--tokens",
+                           "128", "--serve-python", str(serve_python), "--json"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert json.loads(done.stdout)["passed"]

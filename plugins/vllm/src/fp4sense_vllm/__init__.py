@@ -66,6 +66,27 @@ def _register_cpu_kernels() -> None:
 
     init_nvfp4_linear_kernel._fp4sense_wrapped = True  # type: ignore[attr-defined]
     nvfp4_scheme.init_nvfp4_linear_kernel = init_nvfp4_linear_kernel
+    _register_cpu_moe()
+
+
+def _register_cpu_moe() -> None:
+    """NVFP4 fused MoE: vLLM's EMULATION backend names a Triton class; on the CPU the
+    backend's kernel list gets ours (same computation, torch) instead."""
+    from vllm.model_executor.layers.fused_moe.oracle import nvfp4 as oracle
+
+    from fp4sense_vllm.moe import CpuNvFp4EmulationExperts
+
+    original = oracle.backend_to_kernel_cls
+    if getattr(original, "_fp4sense_wrapped", False):
+        return
+
+    def backend_to_kernel_cls(backend, *args, **kwargs):
+        if backend == oracle.NvFp4MoeBackend.EMULATION:
+            return [CpuNvFp4EmulationExperts]
+        return original(backend, *args, **kwargs)
+
+    backend_to_kernel_cls._fp4sense_wrapped = True  # type: ignore[attr-defined]
+    oracle.backend_to_kernel_cls = backend_to_kernel_cls
 
 
 def register() -> None:
