@@ -98,6 +98,25 @@ def evaluate_variant(folder: Path, report_path: Path, eval_windows: int) -> dict
             "expert_share": round(sum(u.numel for u in units.units if u.experts) / total, 3)}
 
 
+def checkpoint_check(folder: Path, work: Path) -> dict:
+    """Uniform NVFP4 written by `fp4sense quantize` (its evaluation from disk) and served
+    by vLLM (`fp4sense verify-vllm`: log-probs against transformers)."""
+    fp4sense = str(Path(sys.executable).parent / "fp4sense")
+    out = work / f"{folder.name}-nvfp4"
+    t = time.perf_counter()
+    subprocess.run([fp4sense, "quantize", str(folder), "--menu", "NVFP4", "--budget", "4.6",
+                    "--out", str(out), "--overwrite", "--json"], check=True,
+                   capture_output=True, text=True)
+    quantize_s = round(time.perf_counter() - t, 1)
+    evaluation = json.loads((out / "fp4sense-quantize.json").read_text())
+    done = subprocess.run([fp4sense, "verify-vllm", str(out), "--json"],
+                          capture_output=True, text=True)
+    served = json.loads(done.stdout) if done.stdout.strip() else {"error": done.stderr[-500:]}
+    return {"quantize_s": quantize_s, "evaluation": evaluation.get("eval"),
+            "verify_vllm": {k: served.get(k) for k in (
+                "passed", "mean_abs_diff", "max_abs_diff", "tokens", "error")}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=None, help="where the models go")
@@ -134,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         result["variants"][name] = {"top_k": k, "vs_dense": dense, "analysis": cost,
                                     **evaluate_variant(folder, out / "sensitivity.json",
                                                        args.eval_windows)}
+        if k < 8:
+            result["variants"][name]["checkpoint"] = checkpoint_check(folder, work)
+            print(json.dumps(result["variants"][name]["checkpoint"]), flush=True)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "moe.json").write_text(json.dumps(result, indent=1))
     write_markdown(result, RESULTS / "moe.md")
@@ -169,6 +191,17 @@ def write_markdown(result: dict, path: Path) -> None:
         few = {u: [e for e, n in enumerate(c) if n < 0.1 * sum(c) / len(c)]
                for u, c in v["routing"].items()}
         named = {u: e for u, e in few.items() if e}
+        ck = v.get("checkpoint")
+        if ck:
+            e, served = ck["evaluation"] or {}, ck["verify_vllm"]
+            lines += ["", f"Uniform NVFP4 written by `fp4sense quantize` ({ck['quantize_s']:.0f} "
+                      f"s) and evaluated from disk: KL {e.get('kl', float('nan')):.4f}, "
+                      f"{e.get('effective_bits', float('nan')):.3f} bits stored. "
+                      f"`verify-vllm` (fp4sense's NVFP4 fused-MoE CPU experts): "
+                      + ("PASS" if served.get("passed") else f"FAIL {served}")
+                      + (f", mean |Δ log-prob| {served['mean_abs_diff']:.3f} against "
+                         f"transformers over {served['tokens']} tokens"
+                         if served.get("mean_abs_diff") is not None else "") + "."]
         lines += ["", f"Routing coverage (calibration text): {len(named)} of "
                   f"{len(v['routing'])} blocks have experts under 10% of an even share"
                   + (": " + "; ".join(f"{u} {e}" for u, e in list(named.items())[:6])

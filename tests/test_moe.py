@@ -89,8 +89,7 @@ def test_an_unexplained_weight_is_named(moe_models):
 def test_expert_weights_equal_the_checkpoint_llm_compressor_writes(scheme, moe_models,
                                                                    tmp_path):
     from fp4sense.checkpoint.loading import load_checkpoint
-    from fp4sense.diagnosis.engine import quantize_unit
-    from fp4sense.diagnosis.units import find_units
+    from fp4sense.diagnosis.units import find_units, quantize_unit
     from test_schemes import _oneshot
 
     source = moe_models["qwen3_moe"]

@@ -16,13 +16,14 @@ import torch
 from tqdm.auto import tqdm
 
 from fp4sense.diagnosis.cache import EntryCache
+from fp4sense.diagnosis.experts import expert_hooks
 from fp4sense.diagnosis.offload import BlockStore, Originals
 from fp4sense.diagnosis.stats import mean_se
-from fp4sense.diagnosis.units import Unit, UnitMap
+from fp4sense.diagnosis.units import Unit, UnitMap, quantize_unit
 from fp4sense.evaluation.metrics import window_metrics
-from fp4sense.numerics.fakequant import activation_quantizer, quantize_weights
+from fp4sense.numerics.fakequant import activation_quantizer
 
-__all__ = ["Analysis", "Perturbation", "check_cache_memory", "quantize_unit"]
+__all__ = ["Analysis", "Perturbation", "check_cache_memory"]
 
 Perturbation = dict[str, tuple[Unit, str]]  # linear name -> (its unit, scheme)
 #: Memory for fake-quantized weights kept between perturbations.
@@ -30,18 +31,6 @@ WEIGHT_CACHE_BYTES = 1024 * 2**20
 #: Memory for the base model's log-probs; beyond it they are recomputed from the cached
 #: last block output (only the head runs) when needed.
 BASE_LOGPROB_BYTES = 1024 * 2**20
-
-
-def quantize_unit(scheme: str, unit: Unit, weights: Sequence[torch.Tensor]
-                  ) -> list[torch.Tensor]:
-    """``unit``'s weights fake-quantized under ``scheme``, each of its scale groups on
-    its own (a fused group shares one NVFP4 global scale; MoE experts one per expert)."""
-    out: list[torch.Tensor | None] = [None] * len(weights)
-    for part in unit.scale_groups:
-        for i, w in zip(part, quantize_weights(scheme, [weights[i] for i in part]),
-                        strict=True):
-            out[i] = w
-    return out
 
 
 class Analysis:
@@ -140,7 +129,8 @@ class Analysis:
         handles = [b.register_forward_hook(block_hook(i)) for i, b in enumerate(self.blocks)]
         handles += [self.modules[m].register_forward_pre_hook(stat_hook(m)) for m in stats
                     if m not in experts]
-        handles += self._expert_hooks(stat_hook)
+        expert_handles, self.routing = expert_hooks(self.modules, self.units, stat_hook)
+        handles += expert_handles
         try:
             for i, window in enumerate(tqdm(self.windows, desc="base model", leave=False,
                                             disable=not self.progress)):
@@ -160,20 +150,6 @@ class Analysis:
             p999 = float(np.mean(s["p999"]))
             self.stats[m] = {"absmax": s["absmax"], "p999": p999,
                              "outlier_ratio": s["absmax"] / p999 if p999 > 0 else float("inf")}
-
-    def _expert_hooks(self, stat_hook) -> list:
-        """MoE: every expert's input statistics over all tokens, as llm-compressor
-        calibrates experts (so no expert gets an empty, zero or NaN input scale), and the
-        tokens the router sends to each expert (``self.routing``)."""
-        from fp4sense.diagnosis.experts import run_on_all_tokens
-
-        handles: list = []
-        self.routing = {}
-        for unit in (u for u in self.units.units if u.experts):
-            counts = self.routing.setdefault(unit.name, [0] * unit.experts)
-            handles += run_on_all_tokens(self.modules, self.units.blocks_path, unit,
-                                         stat_hook, counts)
-        return handles
 
     # --- perturbations ------------------------------------------------------------------
     @contextmanager

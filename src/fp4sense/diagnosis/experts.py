@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["expert_lists", "expert_unit", "left_alone", "run_on_all_tokens", "unaccounted"]
+__all__ = ["expert_hooks", "expert_lists", "expert_unit", "expert_targets", "left_alone",
+           "projection_targets", "run_on_all_tokens", "unaccounted"]
 
 ROUTER = "router: scores the experts per token; vLLM keeps it in 16 bits"
 SHARED_GATE = "shared-expert gate: one score per token; vLLM keeps it in 16 bits"
@@ -164,3 +165,37 @@ def run_on_all_tokens(modules: dict[str, torch.nn.Module], blocks_path: str, uni
     handles = [container.register_forward_pre_hook(every_token)]
     handles += [child.register_forward_pre_hook(count(e)) for e, child in enumerate(children)]
     return handles
+
+
+def expert_hooks(modules: dict[str, torch.nn.Module], units, stat_hook
+                 ) -> tuple[list, dict[str, list[int]]]:
+    """The base pass's MoE hooks for every experts unit of ``units``, and the routing
+    counts they fill (unit -> tokens routed to each expert)."""
+    handles: list = []
+    routing: dict[str, list[int]] = {}
+    for unit in (u for u in units.units if u.experts):
+        counts = routing.setdefault(unit.name, [0] * unit.experts)
+        handles += run_on_all_tokens(modules, units.blocks_path, unit, stat_hook, counts)
+    return handles, routing
+
+
+def projection_targets(kind: str, members: list) -> list[tuple[str, list]]:
+    """Component-view targets ``mlp.experts.*.down_proj``: one projection of every
+    expert, in every block."""
+    width = len(members[0].modules) // members[0].experts
+    out = []
+    for j in range(width):
+        rel = members[0].modules[j].split(f".{kind}.", 1)[1].split(".", 1)[1]
+        out.append((f"{kind}.*.{rel}", [(u, u.modules[j::width]) for u in members]))
+    return out
+
+
+def expert_targets(units, blocks) -> list[tuple[str, list]]:
+    """The ``expert`` view's targets: each expert of each block alone
+    (``3:mlp.experts.5``: which experts are fragile)."""
+    out = []
+    for u in units.units:
+        width = len(u.modules) // u.experts if u.experts else 0
+        out += [(f"{u.name}.{e}", [(u, u.modules[e * width:(e + 1) * width])])
+                for e in range(u.experts)]
+    return out

@@ -29,6 +29,7 @@ Mixture-of-Experts blocks (experts as per-expert linears, :mod:`fp4sense.inputs.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -36,7 +37,8 @@ import torch
 from fp4sense.diagnosis.experts import expert_lists, expert_unit, left_alone, unaccounted
 from fp4sense.numerics.schemes import get_scheme
 
-__all__ = ["Unit", "UnitError", "UnitMap", "find_blocks", "find_units", "short_kind"]
+__all__ = ["Unit", "UnitError", "UnitMap", "find_blocks", "find_units", "quantize_unit",
+           "short_kind"]
 
 
 class UnitError(ValueError):
@@ -278,6 +280,20 @@ def model_fingerprint(model: torch.nn.Module) -> str:
         t = tensor.detach().to(torch.bfloat16).contiguous().cpu()
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def quantize_unit(scheme: str, unit: Unit, weights: Sequence[torch.Tensor]
+                  ) -> list[torch.Tensor]:
+    """``unit``'s weights fake-quantized under ``scheme``, each of its scale groups on
+    its own (a fused group shares one NVFP4 global scale; MoE experts one per expert)."""
+    from fp4sense.numerics.fakequant import quantize_weights
+
+    out: list[torch.Tensor | None] = [None] * len(weights)
+    for part in unit.scale_groups:
+        for i, w in zip(part, quantize_weights(scheme, [weights[i] for i in part]),
+                        strict=True):
+            out[i] = w
+    return out
 
 
 def short_kind(kind: str) -> str:

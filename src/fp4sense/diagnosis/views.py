@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 
 from fp4sense.diagnosis.cache import EntryCache, cache_key
 from fp4sense.diagnosis.engine import Analysis, Perturbation, check_cache_memory
+from fp4sense.diagnosis.experts import expert_targets, projection_targets
 from fp4sense.diagnosis.results import Entry, SensitivityReport
 from fp4sense.diagnosis.stats import correlations, mean_se
 from fp4sense.diagnosis.units import Unit, UnitMap, find_units, model_fingerprint, model_name
@@ -90,22 +91,12 @@ def _component(units: UnitMap, blocks) -> list[tuple[str, Members]]:
         members = units.of_kind(kind)
         out.append((kind, [(u, u.modules) for u in members]))
         if members[0].experts:  # one projection of all experts (which projection hurts)
-            out += _projections(kind, members)
+            out += projection_targets(kind, members)
         elif members[0].fused:  # the single linears of a fused group as well
             prefix = units.blocks_path
             for part in range(len(members[0].modules)):
                 rel = members[0].modules[part].split(".", prefix.count(".") + 2)[-1]
                 out.append((rel, [(u, (u.modules[part],)) for u in members]))
-    return out
-
-
-def _projections(kind: str, members: list[Unit]) -> list[tuple[str, Members]]:
-    """``mlp.experts.*.down_proj``: that projection of every expert, in every block."""
-    width = len(members[0].modules) // members[0].experts
-    out = []
-    for j in range(width):
-        rel = members[0].modules[j].split(f".{kind}.", 1)[1].split(".", 1)[1]
-        out.append((f"{kind}.*.{rel}", [(u, u.modules[j::width]) for u in members]))
     return out
 
 
@@ -148,16 +139,8 @@ def _grid(units: UnitMap, blocks) -> list[tuple[str, Members]]:
             if keep is None or u.block in keep]
 
 
-@register_view("expert", "experts")
-def _experts(units: UnitMap, blocks) -> list[tuple[str, Members]]:
-    """MoE: each expert of each block alone (``3:mlp.experts.5``: which experts are
-    fragile); best with ``--mode estimated``, which scores them all in one pass."""
-    out = []
-    for u in units.units:
-        width = len(u.modules) // u.experts if u.experts else 0
-        out += [(f"{u.name}.{e}", [(u, u.modules[e * width:(e + 1) * width])])
-                for e in range(u.experts)]
-    return out
+#: MoE: each expert of each block alone; best with ``--mode estimated`` (one pass)
+register_view("expert", "experts")(expert_targets)
 
 
 def view_options() -> tuple[str, ...]:
