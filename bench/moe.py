@@ -98,13 +98,13 @@ def evaluate_variant(folder: Path, report_path: Path, eval_windows: int) -> dict
             "expert_share": round(sum(u.numel for u in units.units if u.experts) / total, 3)}
 
 
-def checkpoint_check(folder: Path, work: Path) -> dict:
-    """Uniform NVFP4 written by `fp4sense quantize` (its evaluation from disk) and served
-    by vLLM (`fp4sense verify-vllm`: log-probs against transformers)."""
+def checkpoint_check(folder: Path, work: Path, scheme: str = "NVFP4") -> dict:
+    """Uniform ``scheme`` written by `fp4sense quantize` (its evaluation from disk) and
+    served by vLLM (`fp4sense verify-vllm`: log-probs against transformers)."""
     fp4sense = str(Path(sys.executable).parent / "fp4sense")
-    out = work / f"{folder.name}-nvfp4"
+    out = work / f"{folder.name}-{scheme.lower()}"
     t = time.perf_counter()
-    subprocess.run([fp4sense, "quantize", str(folder), "--menu", "NVFP4", "--budget", "4.6",
+    subprocess.run([fp4sense, "quantize", str(folder), "--menu", scheme, "--budget", "4.6",
                     "--out", str(out), "--overwrite", "--json"], check=True,
                    capture_output=True, text=True)
     quantize_s = round(time.perf_counter() - t, 1)

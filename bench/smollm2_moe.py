@@ -3,8 +3,9 @@ bundled SmolLM2-135M (no MoE with trained weights can be downloaded here).
 
 What it is, exactly: the Qwen2-MoE architecture of transformers 5 (routed experts as 3-D
 parameters, a shared expert with a sigmoid gate, a router), with SmolLM2's embeddings,
-norms and attention copied unchanged (``qkv_bias=False``: Qwen2-MoE attention without
-biases is Llama's; Qwen3-MoE's q/k norms would change it). Each block's dense MLP
+norms and attention copied unchanged (Qwen2-MoE attention with zero q/k/v biases is
+Llama's; Qwen3-MoE's q/k norms would change it. The biases are stored, as zeros: vLLM
+0.32's Qwen2-MoE always builds them, ignoring ``qkv_bias=False``). Each block's dense MLP
 (1536 SiLU-gated neurons) is split by neuron:
 
 - the 512 neurons with the largest gate-row norms form the shared expert; its gate's
@@ -74,16 +75,18 @@ def build(out: Path, top_k: int = 4, source: Path | None = None) -> Path:
         rms_norm_eps=dense.rms_norm_eps, rope_parameters=dense.rope_parameters,
         tie_word_embeddings=dense.tie_word_embeddings, hidden_act=dense.hidden_act,
         bos_token_id=dense.bos_token_id, eos_token_id=dense.eos_token_id,
-        pad_token_id=dense.pad_token_id, qkv_bias=False,
+        pad_token_id=dense.pad_token_id, qkv_bias=True,
         num_experts=EXPERTS, num_experts_per_tok=top_k, norm_topk_prob=True,
         moe_intermediate_size=EXPERT_NEURONS, shared_expert_intermediate_size=SHARED_NEURONS,
         decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False)
     assert SHARED_NEURONS + EXPERTS * EXPERT_NEURONS == dense.intermediate_size
     model = Qwen2MoeForCausalLM(config).to(torch.bfloat16)
     own = model.state_dict()
-    for name in own:  # embeddings, norms, attention: SmolLM2's own
+    for name in own:  # embeddings, norms, attention: SmolLM2's own (biases zero)
         if name in state:
             own[name].copy_(state[name])
+        elif name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+            own[name].zero_()
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}.mlp"
         gate, up, down = (state[f"{p}.{w}_proj.weight"] for w in ("gate", "up", "down"))

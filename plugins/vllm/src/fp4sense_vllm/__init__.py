@@ -74,7 +74,7 @@ def _register_cpu_moe() -> None:
     backend's kernel list gets ours (same computation, torch) instead."""
     from vllm.model_executor.layers.fused_moe.oracle import nvfp4 as oracle
 
-    from fp4sense_vllm.moe import CpuNvFp4EmulationExperts
+    from fp4sense_vllm.moe import CpuNvFp4A16EmulationExperts, CpuNvFp4EmulationExperts
 
     original = oracle.backend_to_kernel_cls
     if getattr(original, "_fp4sense_wrapped", False):
@@ -82,7 +82,7 @@ def _register_cpu_moe() -> None:
 
     def backend_to_kernel_cls(backend, *args, **kwargs):
         if backend == oracle.NvFp4MoeBackend.EMULATION:
-            return [CpuNvFp4EmulationExperts]
+            return [CpuNvFp4EmulationExperts, CpuNvFp4A16EmulationExperts]
         return original(backend, *args, **kwargs)
 
     backend_to_kernel_cls._fp4sense_wrapped = True  # type: ignore[attr-defined]

@@ -22,9 +22,10 @@ from vllm.model_executor.layers.fused_moe.utils import moe_kernel_quantize_input
 from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
     dequantize_to_dtype,
 )
+from vllm.model_executor.layers.quantization.utils.quant_utils import kNvfp4Static
 from vllm.platforms import current_platform
 
-__all__ = ["CpuNvFp4EmulationExperts"]
+__all__ = ["CpuNvFp4A16EmulationExperts", "CpuNvFp4EmulationExperts"]
 
 NVFP4_BLOCK = 16
 
@@ -81,3 +82,16 @@ class CpuNvFp4EmulationExperts(Nvfp4QuantizationEmulationTritonExperts):
                 y = y * topk_weights[token, slot].float()[:, None]
             out.index_add_(0, token, y)
         output.copy_(out.to(output.dtype))
+
+
+class CpuNvFp4A16EmulationExperts(CpuNvFp4EmulationExperts):
+    """NVFP4A16 experts (weights NVFP4, activations in 16 bits) on the CPU: the same
+    computation without the input quantization (vLLM runs these with Marlin, a GPU
+    kernel; the checkpoint has no input scales)."""
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key) -> bool:
+        return (weight_key, activation_key) == (kNvfp4Static, None)
+
+    def _qdq(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return x
