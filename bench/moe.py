@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_markdown(result: dict, path: Path) -> None:
+    from fp4sense.reports.moe import low_coverage
+
     lines = ["# FP4 plans on SmolLM2-MoE", "",
              f"Menu {', '.join(MENU)}; {result['protocol']['analysis_windows']} analysis "
              f"windows (estimated), KL on {result['protocol']['eval_windows']} evaluation "
@@ -188,9 +190,7 @@ def write_markdown(result: dict, path: Path) -> None:
                 f"{r['active_bits']:.3f} | {r['kl']:.4f} ± {r['kl_se']:.4f} | "
                 f"{'-' if r is uniform else f'{cut:.0%} lower'} | {r['ppl']:.2f} | "
                 f"{r['top1']:.3f} | {', '.join(r['expert_schemes'])} |")
-        few = {u: [e for e, n in enumerate(c) if n < 0.1 * sum(c) / len(c)]
-               for u, c in v["routing"].items()}
-        named = {u: e for u, e in few.items() if e}
+        named = {u: [e for e, _ in few] for u, few in low_coverage(v["routing"]).items()}
         ck = v.get("checkpoint")
         if ck:
             e, served = ck["evaluation"] or {}, ck["verify_vllm"]

@@ -134,7 +134,7 @@ def run_on_all_tokens(modules: dict[str, torch.nn.Module], blocks_path: str, uni
     container = modules[name]
     if type(container).forward is torch.nn.ModuleList.forward:  # a plain list: its owner
         container = modules[name.rpartition(".")[0]]
-    width = len(unit.modules) // unit.experts
+    width = unit.per_expert
     collect = [[stat_hook(m) for m in unit.modules[e * width:(e + 1) * width]]
                for e in range(unit.experts)]
     state = {"all": False}
@@ -182,7 +182,7 @@ def expert_hooks(modules: dict[str, torch.nn.Module], units, stat_hook
 def projection_targets(kind: str, members: list) -> list[tuple[str, list]]:
     """Component-view targets ``mlp.experts.*.down_proj``: one projection of every
     expert, in every block."""
-    width = len(members[0].modules) // members[0].experts
+    width = members[0].per_expert
     out = []
     for j in range(width):
         rel = members[0].modules[j].split(f".{kind}.", 1)[1].split(".", 1)[1]
@@ -195,7 +195,7 @@ def expert_targets(units, blocks) -> list[tuple[str, list]]:
     (``3:mlp.experts.5``: which experts are fragile)."""
     out = []
     for u in units.units:
-        width = len(u.modules) // u.experts if u.experts else 0
+        width = u.per_expert
         out += [(f"{u.name}.{e}", [(u, u.modules[e * width:(e + 1) * width])])
                 for e in range(u.experts)]
     return out

@@ -74,6 +74,11 @@ class Unit:
         return sum(i * o for i, o in zip(self.inputs, self.out_features, strict=True))
 
     @property
+    def per_expert(self) -> int:
+        """MoE experts unit: the linears of one expert (its modules are expert-major)."""
+        return len(self.modules) // self.experts if self.experts else 0
+
+    @property
     def scale_groups(self) -> tuple[tuple[int, ...], ...]:
         """Module indices quantized together (one NVFP4 global scale each)."""
         return self.parts or (tuple(range(len(self.modules))),)

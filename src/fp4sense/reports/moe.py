@@ -93,7 +93,7 @@ def moe_lines(report: SensitivityReport) -> list[str]:
 
 def _projection_outliers(report: SensitivityReport, experts) -> list[str]:
     stats = report.activation_stats
-    width = len(experts[0].modules) // experts[0].experts
+    width = experts[0].per_expert
     rows = []
     for j in range(width):
         named = [(m, stats[m]["outlier_ratio"]) for u in experts
