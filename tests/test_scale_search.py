@@ -136,6 +136,62 @@ def test_search_scheme_checkpoint_is_standard_and_never_worse(tiny_llama, tmp_pa
         changed += int((tensors["weight_scale"].view(torch.uint8)
                         != amax["weight_scale"].view(torch.uint8)).sum())
     assert changed > 0
+    # fp4sense's fake quantization of the search scheme (what the analysis scores) is the
+    # checkpoint, bit for bit: fused parts share the global scale, no data -> weight MSE
+    from fp4sense.diagnosis.units import find_units, quantize_unit
+
+    base_model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
+    modules = dict(base_model.named_modules())
+    for unit in find_units(base_model).units:
+        fake = quantize_unit("NVFP4A16_SEARCH", unit,
+                             [modules[m].weight.data for m in unit.modules])
+        for m, q in zip(unit.modules, fake, strict=True):
+            tensors = {k: written[f"{m}.{k}"] for k in
+                       ("weight_packed", "weight_scale", "weight_global_scale")}
+            assert torch.equal(fp4.decompress(tensors, "nvfp4", torch.bfloat16), q), m
     # and plain transformers loads it (compressed-tensors decompression, no fp4sense)
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+
+
+def test_analysis_scores_search_schemes_with_input_importance(tiny_llama):
+    """The analysis's base pass keeps each linear's E[x^2] per input channel, and the
+    ``*_SEARCH`` schemes' fake quantization searches block scales weighted by it (what
+    the observer does with calibration data); the searched weights score lower."""
+    from transformers import AutoModelForCausalLM
+
+    from fp4sense.diagnosis.cache import EntryCache
+    from fp4sense.diagnosis.engine import Analysis
+    from fp4sense.diagnosis.units import find_units
+    from fp4sense.numerics.fakequant import quantize_weights
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    windows = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
+    units = find_units(model, windows[:1, :16])
+    run = Analysis(model, windows, units, EntryCache(None), False)
+    name = "model.layers.1.mlp.down_proj"
+    seen = []
+    handle = run.modules[name].register_forward_pre_hook(
+        lambda _m, args: seen.append(args[0].detach().reshape(-1, args[0].shape[-1])))
+    run.base_pass()
+    handle.remove()
+    expected = torch.cat(seen).square().mean(0)
+    assert torch.allclose(run.importance[name], expected, rtol=1e-5)
+    unit = next(u for u in units.units if name in u.modules)
+    w = run.original[name]
+    searched = run.quantized(unit, "NVFP4A16_SEARCH")[unit.modules.index(name)]
+    assert torch.equal(searched, quantize_weights("NVFP4A16_SEARCH", [w],
+                                                  importance=[expected])[0])
+    scores = run.estimate(["NVFP4A16", "NVFP4A16_SEARCH"], streamed=False)
+    plain = sum(sum(v) for (m, s), v in scores.items() if s == "NVFP4A16")
+    search = sum(sum(v) for (m, s), v in scores.items() if s == "NVFP4A16_SEARCH")
+    assert 0 < search < plain
+
+
+def test_search_twins_follow_their_plain_schemes():
+    from fp4sense.numerics.schemes import with_search_twins
+
+    assert with_search_twins(["nvfp4", "FP8_DYNAMIC", "BF16"]) == [
+        "NVFP4", "NVFP4_SEARCH", "FP8_DYNAMIC", "BF16"]
+    assert with_search_twins(["MXFP4A16_SEARCH", "MXFP4A16", "INT4"]) == [
+        "MXFP4A16_SEARCH", "MXFP4A16", "INT4"]

@@ -130,6 +130,9 @@ def quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin", action="append", metavar="UNIT_OR_REGEX=SCHEME",
                    help="force units to a scheme (repeatable)")
     p.add_argument("--gptq", action="store_true", help="round weights with GPTQ after planning")
+    p.add_argument("--no-scale-search", action="store_true",
+                   help="plan without the searched-scale twins of the FP4 menu schemes "
+                        "(NVFP4 -> NVFP4_SEARCH, used by default where they score lower)")
     p.add_argument("--base-model-id", default=None, metavar="ORG/NAME",
                    help="the base model's Hub id, for the model card's lineage (default: "
                         "derived where certain: a hub id, a Hugging Face cache folder)")

@@ -52,6 +52,8 @@ class Analysis:
         self.block_out: list[list] = []  # [block][window] -> the block's base output
         self.base_lp: list[torch.Tensor] = []
         self.stats: dict[str, dict] | None = None
+        #: linear -> E[x^2] per input channel over the windows (weights the scale search)
+        self.importance: dict[str, torch.Tensor] = {}
         self.base_ppl_value = float("nan")
         self.block_forwards = 0
         self.routing: dict[str, list[int]] = {}  # MoE unit -> tokens routed to each expert
@@ -80,7 +82,9 @@ class Analysis:
             self.qweights.move_to_end((unit, scheme))
             return [w.to(self.original[m].dtype) for w, m in zip(kept, unit.modules,
                                                                   strict=True)]
-        ws = quantize_unit(scheme, unit, [self.original[m] for m in unit.modules])
+        imps = [self.importance.get(m) for m in unit.modules]
+        ws = quantize_unit(scheme, unit, [self.original[m] for m in unit.modules],
+                           importance=imps if any(i is not None for i in imps) else None)
         # quantized in bf16, so bf16 keeps them exactly at half the memory of float32
         compact = [w.to(torch.bfloat16) for w in ws]
         if all(torch.equal(c.to(w.dtype), w) for c, w in zip(compact, ws, strict=True)):
@@ -108,7 +112,8 @@ class Analysis:
         self.block_out = [[None] * n for _ in range(self.units.n_blocks)]
         self.base_lp = []
         nll: list[float] = []
-        stats = {m: {"absmax": 0.0, "p999": []} for m in self.units.linears()}
+        stats = {m: {"absmax": 0.0, "p999": [], "sq": None, "rows": 0}
+                 for m in self.units.linears()}
         current = {"i": 0}
 
         def block_hook(index):
@@ -118,8 +123,12 @@ class Analysis:
 
         def stat_hook(name):
             def hook(module, args):
-                x = args[0].detach().abs().float().reshape(-1)
+                rows = args[0].detach().float().reshape(-1, args[0].shape[-1])
+                x = rows.abs().reshape(-1)
                 s = stats[name]
+                sq = rows.square().sum(0)
+                s["sq"] = sq if s["sq"] is None else s["sq"] + sq
+                s["rows"] += rows.shape[0]
                 s["absmax"] = max(s["absmax"], float(x.max()))
                 k = max(1, int(round(0.001 * x.numel())))
                 s["p999"].append(float(x.topk(k).values[-1]))
@@ -147,6 +156,8 @@ class Analysis:
         self.base_ppl_value = math.exp(float(np.mean(nll)))
         self.stats = {}
         for m, s in stats.items():
+            if s["rows"]:
+                self.importance[m] = s["sq"] / s["rows"]
             p999 = float(np.mean(s["p999"]))
             self.stats[m] = {"absmax": s["absmax"], "p999": p999,
                              "outlier_ratio": s["absmax"] / p999 if p999 > 0 else float("inf")}

@@ -287,15 +287,19 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def quantize_unit(scheme: str, unit: Unit, weights: Sequence[torch.Tensor]
+def quantize_unit(scheme: str, unit: Unit, weights: Sequence[torch.Tensor],
+                  importance: Sequence[torch.Tensor | None] | None = None
                   ) -> list[torch.Tensor]:
     """``unit``'s weights fake-quantized under ``scheme``, each of its scale groups on
-    its own (a fused group shares one NVFP4 global scale; MoE experts one per expert)."""
+    its own (a fused group shares one NVFP4 global scale; MoE experts one per expert).
+    ``importance``: per weight, the E[x^2] of its inputs (searched-scale schemes)."""
     from fp4sense.numerics.fakequant import quantize_weights
 
     out: list[torch.Tensor | None] = [None] * len(weights)
     for part in unit.scale_groups:
-        for i, w in zip(part, quantize_weights(scheme, [weights[i] for i in part]),
+        imps = None if importance is None else [importance[i] for i in part]
+        for i, w in zip(part, quantize_weights(scheme, [weights[i] for i in part],
+                                               importance=imps),
                         strict=True):
             out[i] = w
     return out

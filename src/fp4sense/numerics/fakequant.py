@@ -5,7 +5,9 @@ llm-compressor's calibration machinery, the same numbers a checkpoint would carr
 
 - FP4 weights go through :mod:`fp4sense.numerics.formats` (bit for bit compressed-tensors'),
   with the NVFP4 global scale shared by the parts of a fused group, as llm-compressor
-  writes it;
+  writes it; the ``*_SEARCH`` schemes take their block scales from
+  :func:`fp4sense.numerics.scale_search.search_block_scales`, weighted by each input
+  channel's E[x^2] where given (what the ``fp4sense_scale_search`` observer does);
 - FP8 / INT8 / INT4 weights use compressed-tensors' own ``calculate_qparams`` and
   ``fake_quantize`` on min / max taken per channel or per group (what the default
   min-max observer sees);
@@ -51,10 +53,13 @@ def quantize_weights(
     scheme: str | Scheme,
     weights: Sequence[torch.Tensor],
     dtype: torch.dtype = torch.bfloat16,
+    importance: Sequence[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
     """Fake-quantized copies of ``weights`` (the parts of one unit) under ``scheme``.
 
     The parts of a fused group are passed together: NVFP4 gives them one global scale.
+    ``importance`` (one (in,) E[x^2] per part, or None) weights the block-scale search of
+    the ``*_SEARCH`` schemes; without it the search minimizes the plain weight error.
     """
     s = get_scheme(scheme)
     out_dtype = [w.dtype for w in weights]
@@ -64,7 +69,15 @@ def quantize_weights(
     elif s.is_fp4:
         fmt = formats.get_format(s.weight_format)
         gs = formats.global_scale(*ws) if fmt.has_global_scale else None
-        result = [fp4.quantize_dequantize(w, fmt, global_scale=gs) for w in ws]
+        if s.scale_search:
+            from fp4sense.numerics.scale_search import search_block_scales
+
+            imps = list(importance) if importance is not None else [None] * len(ws)
+            result = [fp4.quantize_dequantize(
+                w, fmt, global_scale=gs, scales=search_block_scales(w, fmt, gs, imp))
+                for w, imp in zip(ws, imps, strict=True)]
+        else:
+            result = [fp4.quantize_dequantize(w, fmt, global_scale=gs) for w in ws]
     else:
         args = to_quantization_scheme(s, ["Linear"]).weights
         result = [_minmax_qdq(w, args) for w in ws]

@@ -31,6 +31,7 @@ __all__ = [
     "get_scheme",
     "register_presets",
     "to_quantization_scheme",
+    "with_search_twins",
 ]
 
 #: registry name of the scale-search observer (plugins/llmcompressor)
@@ -100,6 +101,22 @@ def get_scheme(name: str | Scheme) -> Scheme:
     if key not in MENU:
         raise SchemeError(f"unknown scheme {name!r}; the menu is: {', '.join(MENU)}")
     return MENU[key]
+
+
+def with_search_twins(menu) -> list[str]:
+    """``menu`` with each plain FP4 scheme's searched-scale twin added after it.
+
+    A twin stores the same tensors at the same bits, so a plan holding both takes, unit
+    by unit, whichever scores lower: the searched scales are used where they win.
+    """
+    names = [get_scheme(s).name for s in menu]
+    out: list[str] = []
+    for name in names:
+        out.append(name)
+        twin = f"{name}_SEARCH"
+        if twin in MENU and twin not in names and twin not in out:
+            out.append(twin)
+    return out
 
 
 def _preset_args(scheme: Scheme) -> dict:

@@ -31,6 +31,7 @@ def quantize_model(
     sensitivity_mode: str | None = None,
     pins: dict[str, str] | None = None,
     gptq: bool = False,
+    scale_search: bool = True,
     base_model_id: str | None = None,
     text: str | os.PathLike | None = None,
     calib_windows: int = 32,
@@ -48,6 +49,11 @@ def quantize_model(
     """``fp4sense quantize``: plan under the budget and quantize with llm-compressor's
     oneshot (SensitivityGuidedModifier, optionally + GPTQModifier), writing the
     compressed checkpoint with plan.json, sensitivity.json, recipe.yaml and a model card.
+
+    ``scale_search`` (default) adds each FP4 menu scheme's searched-scale twin
+    (``NVFP4`` -> ``NVFP4_SEARCH``): same stored format and bits, block scales searched
+    for the lowest output error; the plan takes it for the units where it scores lower.
+    With GPTQ, GPTQ rounds under the searched scales.
 
     ``base_model_id`` names the base model's Hub id for the model card's lineage
     (``base_model``) where it cannot be derived (a local folder outside the Hugging Face
@@ -82,7 +88,9 @@ def quantize_model(
     base_path = default_model_path() if model is None else Path(model)
     check_output_folder(out, overwrite=overwrite,
                         protected=[base_path] if base_path.exists() else [])
-    menu = [get_scheme(s).name for s in menu]
+    from fp4sense.numerics.schemes import with_search_twins
+
+    menu = with_search_twins(menu) if scale_search else [get_scheme(s).name for s in menu]
     placement = resolve(device, dtype, log=log)
     if base_model_id is not None:
         hub_id_of("", base_model_id)  # a malformed id fails before anything runs
@@ -111,6 +119,12 @@ def quantize_model(
             from fp4sense.diagnosis.units import model_fingerprint
 
             report = SensitivityReport.load(sensitivity, model_fingerprint(hf_model))
+            unscored = [s for s in menu if get_scheme(s).scale_search
+                        and s not in report.schemes]
+            if scale_search and unscored:  # twins the saved report did not score
+                log(f"note: {sensitivity} does not score {', '.join(unscored)}; planning "
+                    "without them (analyze with them in --schemes to use searched scales)")
+                menu = [s for s in menu if s not in unscored]
         else:
             t = time.perf_counter()
             quantized = [s for s in menu if get_scheme(s).quantizes]
