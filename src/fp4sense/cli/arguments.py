@@ -130,6 +130,13 @@ def quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin", action="append", metavar="UNIT_OR_REGEX=SCHEME",
                    help="force units to a scheme (repeatable)")
     p.add_argument("--gptq", action="store_true", help="round weights with GPTQ after planning")
+    p.add_argument("--distill", type=positive_int, default=None, metavar="STEPS",
+                   help="after planning, train the quantized model to match the unquantized "
+                        "one for STEPS steps (quantization-aware distillation)")
+    p.add_argument("--distill-lr", type=positive_float, default=5e-5,
+                   help="distillation learning rate")
+    p.add_argument("--distill-windows", type=positive_int, default=16,
+                   help="calibration windows the distillation trains on")
     p.add_argument("--no-scale-search", action="store_true",
                    help="plan without the searched-scale twins of the FP4 menu schemes "
                         "(NVFP4 -> NVFP4_SEARCH, used by default where they score lower)")

@@ -186,6 +186,15 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _distill_settings(args: argparse.Namespace):
+    """``--distill STEPS`` (and its learning rate / windows) as DistillSettings, or None."""
+    if args.distill is None:
+        return None
+    from fp4sense.quantization.distill import DistillSettings
+
+    return DistillSettings(steps=args.distill, lr=args.distill_lr, windows=args.distill_windows)
+
+
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from fp4sense.api import quantize_model
 
@@ -193,7 +202,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         args.model, out_dir=args.out, budget_bits=args.budget, budget_bytes=args.budget_bytes,
         kl_target=args.kl_target, menu=_csv(args.menu), sensitivity=args.sensitivity,
         sensitivity_mode=args.sensitivity_mode, pins=pins_of(args.pin), gptq=args.gptq,
-        scale_search=not args.no_scale_search,
+        scale_search=not args.no_scale_search, distill=_distill_settings(args),
         text=text_source(args), calib_windows=args.calib_windows, estimate_windows=args.windows,
         window_tokens=args.tokens, evaluate=not args.no_eval, eval_windows=args.eval_windows,
         overwrite=args.overwrite, base_model_id=args.base_model_id,

@@ -29,6 +29,7 @@ __all__ = [
     "SchemeError",
     "bits_per_weight",
     "get_scheme",
+    "menu_name_of",
     "register_presets",
     "to_quantization_scheme",
     "with_search_twins",
@@ -139,6 +140,30 @@ def to_quantization_scheme(name: str | Scheme, targets: list[str]):
     if not scheme.quantizes:
         return None
     return QuantizationScheme(targets=targets, **_preset_args(scheme))
+
+
+def _signature(args) -> tuple | None:
+    """What a QuantizationArgs computes (its observer only where it is the scale search:
+    llm-compressor fills in its default observer when it attaches a scheme)."""
+    if args is None:
+        return None
+    return (args.num_bits, str(args.type), args.symmetric, args.group_size,
+            str(args.strategy), args.dynamic, args.observer == SCALE_SEARCH_OBSERVER)
+
+
+def menu_name_of(qscheme) -> str | None:
+    """The menu name of an attached compressed-tensors ``QuantizationScheme`` (same weight
+    and input quantization, scale search or not), or None when no menu entry computes it."""
+    got = (_signature(qscheme.weights), _signature(qscheme.input_activations),
+           _signature(qscheme.output_activations))
+    for scheme in MENU.values():
+        if not scheme.quantizes:
+            continue
+        ref = to_quantization_scheme(scheme, list(qscheme.targets))
+        if got == (_signature(ref.weights), _signature(ref.input_activations),
+                   _signature(ref.output_activations)):
+            return scheme.name
+    return None
 
 
 def register_presets() -> list[str]:

@@ -65,6 +65,8 @@ class Plan:
     model_fingerprint: str = ""
     blocks_path: str = ""
     pins: dict[str, str] = field(default_factory=dict)
+    #: FP4 training applied after planning (QAD: steps, text, loss before / after)
+    training: dict = field(default_factory=dict)
     version: int = PLAN_VERSION
     fp4sense_version: str = __version__
 

@@ -17,7 +17,8 @@ from importlib.metadata import entry_points
 
 __all__ = ["MOE_LINEARIZERS", "QUANTIZERS", "HostMissingError", "host", "quantizer"]
 
-#: entry-point group of plan appliers: f(source, calib, work, *, plan, gptq) -> recipe YAML
+#: entry-point group of plan appliers: f(source, calib, work, *, plan, gptq[, distill,
+#: state_dir]) -> recipe YAML
 QUANTIZERS = "fp4sense.quantizers"
 DEFAULT_QUANTIZER = "llmcompressor"
 #: entry-point group of expert linearizers: f(model) -> model (experts as nn.Linear)

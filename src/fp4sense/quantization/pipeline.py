@@ -32,6 +32,7 @@ def quantize_model(
     pins: dict[str, str] | None = None,
     gptq: bool = False,
     scale_search: bool = True,
+    distill=None,
     base_model_id: str | None = None,
     text: str | os.PathLike | None = None,
     calib_windows: int = 32,
@@ -54,6 +55,12 @@ def quantize_model(
     (``NVFP4`` -> ``NVFP4_SEARCH``): same stored format and bits, block scales searched
     for the lowest output error; the plan takes it for the units where it scores lower.
     With GPTQ, GPTQ rounds under the searched scales.
+
+    ``distill`` (a :class:`fp4sense.quantization.distill.DistillSettings`) trains the
+    planned model to match the unquantized one under the plan's formats (QAD) inside the
+    oneshot, before calibration (the host's QAD modifier, in recipe.yaml too);
+    distill.json / distill.png and ``plan.training`` record it, and an interrupted
+    training resumes from a state kept beside ``out_dir``.
 
     ``base_model_id`` names the base model's Hub id for the model card's lineage
     (``base_model``) where it cannot be derived (a local folder outside the Hugging Face
@@ -96,6 +103,13 @@ def quantize_model(
         hub_id_of("", base_model_id)  # a malformed id fails before anything runs
     if sum(x is not None for x in (budget_bits, budget_bytes, kl_target)) != 1:
         raise ValueError("give exactly one of --budget, --budget-bytes, --kl-target")
+    if distill is not None:
+        from fp4sense.quantization.distill import DistillError
+
+        distill.check()
+        if low_memory:
+            raise DistillError("--distill trains the whole model in memory; drop "
+                               "--low-memory (block-wise distillation is not built)")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 
@@ -144,12 +158,16 @@ def quantize_model(
             f"{lo:.2f}–{hi:.2f}), predicted KL {plan.predicted_kl:.4f}")
         _check_plan_quantizes(plan, budget_bits, budget_bytes, lo, hi,
                               sum(u.numel for u in report.units.units), log)
+
         del hf_model
 
         plan.save(work / "plan.json")  # solved once: the modifier applies this file
         t = time.perf_counter()
-        recipe = _oneshot_plan(source, calib, work, plan="plan.json", gptq=gptq)
+        recipe = _oneshot_plan(source, calib, work, plan="plan.json", gptq=gptq,
+                               distill=distill, state_dir=_state_dir(out))
         timings["oneshot_s"] = time.perf_counter() - t
+        if distill is not None:
+            _record_training(plan, work, text)
         tokenizer.save_pretrained(work)
         (work / "recipe.yaml").write_text(recipe)
 
@@ -173,6 +191,8 @@ def quantize_model(
         write_model_card(work, plan, result.get("eval"), source=source, hub_id=hub_id,
                          notes=notes,
                          gptq=gptq, name=out.name)
+        if distill is not None:
+            shutil.rmtree(_state_dir(out), ignore_errors=True)  # finished: nothing to resume
         (work / "fp4sense-quantize.json").write_text(json.dumps(result, indent=1))
         # publish: the finished folder replaces out_dir in one rename
         if out.exists():
@@ -208,10 +228,38 @@ def _check_plan_quantizes(plan, budget_bits: float | None, budget_bytes: int | N
             "drop BF16 from the menu")
 
 
-def _oneshot_plan(source: str, calib: torch.Tensor, work: Path, *, plan: str, gptq: bool
-                  ) -> str:
+def _state_dir(out: Path) -> Path:
+    """Where an interrupted distillation's state waits (beside the output, not in it)."""
+    return out.parent / f".{out.name}.distill-state"
+
+
+def _record_training(plan, work: Path, text) -> None:
+    """The QAD record the oneshot wrote: named text, curves (distill.png), summary in
+    ``plan.training`` (plan.json rewritten with it)."""
+    from fp4sense.reports.plots import plot_training
+
+    record = json.loads((work / "distill.json").read_text())
+    record["text"] = text_name(text)
+    (work / "distill.json").write_text(json.dumps(record, indent=1))
+    plot_training(record, work / "distill.png")
+    st = record["settings"]
+    plan.training = {"method": "qad", "steps": record["steps"], "text": record["text"],
+                     "windows": st["windows"], "lr": st["lr"], "seed": st["seed"],
+                     "loss_before": record["loss_before"], "loss_after": record["loss_after"],
+                     "rollbacks": len(record["rollbacks"]), "time_s": record["time_s"]}
+    plan.save(work / "plan.json")
+
+
+def _oneshot_plan(source: str, calib: torch.Tensor, work: Path, *, plan: str, gptq: bool,
+                  distill=None, state_dir: Path | None = None) -> str:
     """Apply the plan saved as ``work / plan`` with the registered quantizer (the
-    llm-compressor plugin's oneshot); return the recipe YAML that reproduces it."""
+    llm-compressor plugin's oneshot; with ``distill``, FP4 training first); return the
+    recipe YAML that reproduces it."""
+    from dataclasses import asdict
+
     from fp4sense.quantization.hosts import quantizer
 
-    return quantizer()(source, calib, work, plan=plan, gptq=gptq)
+    if distill is None:
+        return quantizer()(source, calib, work, plan=plan, gptq=gptq)
+    return quantizer()(source, calib, work, plan=plan, gptq=gptq, distill=asdict(distill),
+                       state_dir=str(state_dir))

@@ -137,6 +137,7 @@ def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str
     lines += ["", f"Predicted KL (sum over units): {plan.predicted_kl:.4f}. Per unit: "
               "`plan.json`; sensitivities: `sensitivity.json`.", ""]
     lines += _experts_lines(folder, plan)
+    lines += _training_lines(plan)
     if evaluation:
         e = evaluation
         lines += ["## Measured", "",
@@ -207,3 +208,23 @@ def _experts_lines(folder: Path, plan) -> list[str]:
                 "llm-compressor calibrates experts): " + "; ".join(
                     f"{u}: {', '.join(str(e) for e, _ in v)}" for u, v in few.items()) + ".")
     return lines + [""]
+
+
+def _training_lines(plan) -> list[str]:
+    """The FP4 training (QAD) section, where the plan records one."""
+    t = plan.training
+    if not t:
+        return []
+    rollbacks = (f" The loss rose {t['rollbacks']} time(s); each time training went back to "
+                 "its best state with half the learning rate." if t.get("rollbacks") else "")
+    return ["## FP4 training", "",
+            f"After planning, the weights were trained for {t['steps']} steps by "
+            "quantization-aware distillation: the forward pass computed with the plan's "
+            "formats (straight-through gradients) and the loss was the KL divergence to the "
+            f"unquantized model's next-token distributions on {t['windows']} windows of "
+            f"{_text_name(t['text']) if t.get('text') else 'the calibration text'} (learning "
+            f"rate {t['lr']:g}, seed {t['seed']}). KL on the first training windows: "
+            f"{t['loss_before']:.4f} before, {t['loss_after']:.4f} after.{rollbacks} The "
+            "scales were then derived from the trained weights as for any checkpoint. "
+            "Curves: `distill.png`, per step: `distill.json`.", "",
+            "![training](distill.png)", ""]

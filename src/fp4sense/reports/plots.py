@@ -1,5 +1,5 @@
-"""The analysis report's plots (PNG): components, blocks, the unit × block grid; and the
-matplotlib set-up the model card's plan picture shares."""
+"""The analysis report's plots (PNG): components, blocks, the unit × block grid; FP4
+training curves; and the matplotlib set-up the model card's plan picture shares."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 from fp4sense.diagnosis import SensitivityReport
 from fp4sense.diagnosis.units import short_kind
 
-__all__ = ["plot_blocks", "plot_components", "plot_grid", "protect_gain", "pyplot", "table_mode",
-           "save_figure"]
+__all__ = ["plot_blocks", "plot_components", "plot_grid", "plot_training", "protect_gain",
+           "pyplot", "table_mode", "save_figure"]
 
 
 def pyplot():
@@ -140,3 +140,22 @@ def protect_gain(report: SensitivityReport, scheme: str, mode: str) -> dict[str,
     if everything is None:
         return {}
     return {b: everything.kl - e.kl for b, e in protect.items()}
+
+
+def plot_training(record: dict, path: Path) -> Path:
+    """QAD's loss and gradient-norm curves per step, rollbacks marked."""
+    plt = pyplot()
+    hist = record["history"]
+    fig, (ax_loss, ax_norm) = plt.subplots(1, 2, figsize=(9, 3.2))
+    ax_loss.plot(hist["step"], hist["loss"], lw=0.8, label="KL(base ‖ quantized), per step")
+    ax_loss.axhline(record["loss_before"], color="grey", ls="--", lw=0.8, label="before")
+    ax_loss.axhline(record["loss_after"], color="green", ls="--", lw=0.8, label="after")
+    ax_norm.plot(hist["step"], hist["grad_norm"], lw=0.8, color="tab:orange")
+    for r in record["rollbacks"]:
+        for ax in (ax_loss, ax_norm):
+            ax.axvline(r["step"], color="red", lw=0.8)
+    ax_loss.set(xlabel="step", ylabel="KL", title="distillation loss")
+    ax_norm.set(xlabel="step", ylabel="gradient norm (before clipping at 1)", yscale="log",
+                title="gradient norm")
+    ax_loss.legend(fontsize=7)
+    return save_figure(fig, path)

@@ -6,17 +6,22 @@ Importing this package registers, with the hosts' own registries:
     (``NVFP4_SEARCH``, ``NVFP4A16_SEARCH``, ``MXFP4_SEARCH``, ``MXFP4A16_SEARCH``,
     ``INT4``), so ``QuantizationModifier(scheme="NVFP4A16_SEARCH")`` works in Python
     and in YAML recipes;
-  * ``SensitivityGuidedModifier`` (llm-compressor's ModifierFactory), so recipes name it
-    like any built-in modifier.
+  * ``SensitivityGuidedModifier`` and ``QuantizationAwareDistillationModifier`` (FP4
+    training) with llm-compressor's ModifierFactory, so recipes name them like any
+    built-in modifier.
 """
 
 from llmcompressor.modifiers.factory import ModifierFactory
 
 from fp4sense.numerics.schemes import register_presets
+from fp4sense_llmcompressor.distill import QuantizationAwareDistillationModifier
 from fp4sense_llmcompressor.modifier import SensitivityGuidedModifier
 from fp4sense_llmcompressor.observers import ScaleSearchObserver
 
 register_presets()
 ModifierFactory.register(SensitivityGuidedModifier.__name__, SensitivityGuidedModifier)
+ModifierFactory.register(QuantizationAwareDistillationModifier.__name__,
+                         QuantizationAwareDistillationModifier)
 
-__all__ = ["ScaleSearchObserver", "SensitivityGuidedModifier"]
+__all__ = ["QuantizationAwareDistillationModifier", "ScaleSearchObserver",
+           "SensitivityGuidedModifier"]

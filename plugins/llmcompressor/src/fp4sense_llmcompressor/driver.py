@@ -8,6 +8,7 @@ returns the recipe that reproduces the checkpoint from its own folder.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -17,9 +18,15 @@ __all__ = ["quantize_with_plan"]
 
 
 def quantize_with_plan(source: str, calib: torch.Tensor, work: Path, *, plan: str,
-                       gptq: bool = False) -> str:
+                       gptq: bool = False, distill: dict | None = None,
+                       state_dir: str | None = None) -> str:
     """Quantize ``source`` (hub id or folder) with the plan saved at ``work / plan`` on the
     calibration windows ``calib``; save the compressed checkpoint into ``work``.
+
+    ``distill`` (the fields of :class:`fp4sense.quantization.distill.DistillSettings`)
+    adds a QuantizationAwareDistillationModifier after the others: the weights are trained
+    before calibration; its record is written to ``work / "distill.json"``. ``state_dir``
+    keeps an interrupted training's state (it is not written into the recipe).
 
     :returns: recipe YAML naming the plan relative to the checkpoint folder.
     """
@@ -37,6 +44,13 @@ def quantize_with_plan(source: str, calib: torch.Tensor, work: Path, *, plan: st
 
         recipe.append(GPTQModifier())
         stage["GPTQModifier"] = {}
+    trainer = None
+    if distill is not None:
+        from fp4sense_llmcompressor.distill import QuantizationAwareDistillationModifier
+
+        trainer = QuantizationAwareDistillationModifier(**distill, state_dir=state_dir)
+        recipe.append(trainer)
+        stage["QuantizationAwareDistillationModifier"] = dict(distill)
     # bf16 as llm-compressor loads models (the NVFP4 global scale comes from a bf16 amax)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
     data = Dataset.from_dict({"input_ids": calib.tolist(),
@@ -44,4 +58,6 @@ def quantize_with_plan(source: str, calib: torch.Tensor, work: Path, *, plan: st
     oneshot(model=model, recipe=recipe, dataset=data, num_calibration_samples=len(calib),
             max_seq_length=calib.shape[1], processor=AutoTokenizer.from_pretrained(source))
     model.save_pretrained(work, save_compressed=True)
+    if trainer is not None:
+        (work / "distill.json").write_text(json.dumps(trainer.record, indent=1))
     return yaml.safe_dump({"quant_stage": {"quant_modifiers": stage}}, sort_keys=False)

@@ -1,0 +1,291 @@
+"""Benchmark: the whole stack — plans, searched scales, GPTQ, FP4 training (QAD).
+
+On the bundled SmolLM2 per protocol.md (float32 on CPU; KL / PPL / top-1 on the first
+16 evaluation windows; one calibration text for everything: 32 windows of the protocol's
+calibration split, the first 8 for the sensitivity estimate), for three menus:
+
+- weight-only {NVFP4A16, FP8_DYNAMIC, BF16};  W4A4 {NVFP4, FP8_DYNAMIC, BF16};
+  MX {MXFP4, FP8_DYNAMIC, BF16} (W4A4);
+
+rows: uniform RTN, plan RTN, plan + searched scales at 4.5, 4.75, 5.0 and 5.5 bits
+(evaluated in memory with fp4sense's fake quantization, bit for bit the checkpoints';
+bits from the plan's accounting, which equals the written bytes), and, written as real
+checkpoints by `fp4sense quantize` and evaluated from disk (bits measured from the
+files): plan + searched scales, plan + GPTQ, plan + GPTQ + QAD at each menu's target
+budget, and uniform NVFP4 + QAD at 4.5 bits. The same run times a plain llm-compressor
+NVFP4 oneshot on the same calibration data (the baseline of the time target) and runs
+`fp4sense verify-vllm` on every written checkpoint (``--verify``).
+
+    .venv/bin/python bench/stack.py [--verify]
+
+Results: bench/results/stack.{json,md}. Resumable (``--fresh`` starts over).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MENUS = {"W4A4": ["NVFP4", "FP8_DYNAMIC", "BF16"],
+         "weight-only": ["NVFP4A16", "FP8_DYNAMIC", "BF16"],
+         "MX": ["MXFP4", "FP8_DYNAMIC", "BF16"]}
+BUDGETS = [4.5, 4.75, 5.0, 5.5]
+#: menu -> (budget of the written checkpoints, KL target there)
+TARGETS = {"weight-only": (5.0, 0.047), "W4A4": (5.0, 0.10), "MX": (4.95, 0.38)}
+UNIFORM_QAD_TARGET = 0.15  # W4A4, uniform NVFP4 at 4.5 bits with QAD
+TIME_TARGET = 6.0  # the whole stack within 6x a plain NVFP4 oneshot
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--menus", default=",".join(MENUS))
+    parser.add_argument("--steps", type=int, default=64, help="QAD steps")
+    parser.add_argument("--lr", type=float, default=5e-5, help="QAD learning rate")
+    parser.add_argument("--qad-windows", type=int, default=32)
+    parser.add_argument("--cache", type=Path, default=RESULTS / ".stack-cache")
+    parser.add_argument("--out", type=Path, default=RESULTS / "stack.json")
+    parser.add_argument("--verify", action="store_true", help="verify-vllm each checkpoint")
+    parser.add_argument("--fresh", action="store_true")
+    args = parser.parse_args(argv)
+
+    from fp4sense.api import BUNDLED_MODEL_NOTE, analysis_windows, load_model
+    from fp4sense.diagnosis import analyze
+    from fp4sense.diagnosis.cache import EntryCache
+    from fp4sense.diagnosis.engine import Analysis
+    from fp4sense.inputs.texts import protocol_windows
+    from fp4sense.numerics.schemes import with_search_twins
+    from fp4sense.planning.milp import solve, unit_bits
+
+    if args.fresh and args.cache.exists():
+        shutil.rmtree(args.cache)
+    args.cache.mkdir(parents=True, exist_ok=True)
+    done_path = args.cache / "rows.jsonl"
+    done = {}
+    if done_path.is_file():
+        for line in done_path.read_text().splitlines():
+            item = json.loads(line)
+            done[item["key"]] = item
+
+    def keep(item: dict) -> dict:
+        done[item["key"]] = item
+        with done_path.open("a") as fh:
+            fh.write(json.dumps(item) + "\n")
+        print(f"{item['key']}: bits {item['bits']:.3f} KL {item['kl']:.4f}", flush=True)
+        return item
+
+    menus = {m: MENUS[m] for m in args.menus.split(",")}
+    model, tok, _ = load_model(None)
+    calib = analysis_windows(tok, None, 32, 512)
+    evalw = protocol_windows(tok, "evaluation", 16)
+    schemes = sorted({s for menu in menus.values() for s in with_search_twins(menu)
+                      if s != "BF16"})
+    report_path = args.cache / "sensitivity.json"
+    t = time.perf_counter()
+    est = analyze(model, calib[:8], schemes=schemes, views=["grid"], modes=["estimated"],
+                  cache_dir=args.cache / "analysis", log=print)
+    est.save(report_path)
+    analysis_s = time.perf_counter() - t
+    units = est.units
+    by_name = units.by_name()
+    total = sum(u.numel for u in units.units)
+
+    calibrated = Analysis(model, calib, units, EntryCache(None), progress=False)
+    calibrated.base_pass()  # NVFP4 input scales and scale-search weights: calibration text
+    evaluator = Analysis(model, evalw, units, EntryCache(None), progress=False)
+    evaluator.base_pass()
+    evaluator.stats, evaluator.importance = calibrated.stats, calibrated.importance
+    del calibrated
+
+    def in_memory(key: str, assign: dict[str, str]) -> dict:
+        if key in done:
+            return done[key]
+        t = time.perf_counter()
+        pert = {m: (by_name[u], s) for u, s in assign.items() if s != "BF16"
+                for m in by_name[u].modules}
+        r = evaluator.measure(pert)
+        bits = sum(unit_bits(by_name[u], s) * by_name[u].numel for u, s in assign.items())
+        return keep({"key": key, "bits": bits / total, "kl": r["kl"], "kl_se": r["kl_se"],
+                     "ppl": evaluator.base_ppl() + r["dppl"], "top1": r["top1"],
+                     "eval": "in memory", "wall_s": round(time.perf_counter() - t, 1)})
+
+    rows = []
+    for name, menu in menus.items():
+        fp4 = menu[0]
+        twins = with_search_twins(menu)
+        for method, assign in (
+                ("uniform RTN", {u.name: fp4 for u in units.units}),
+                ("uniform + searched scales", {u.name: f"{fp4}_SEARCH" for u in units.units})):
+            rows.append({"menu": name, "method": method, "budget": 4.5,
+                         **in_memory(f"{name}|{method}", assign)})
+        for b in sorted({*BUDGETS, TARGETS[name][0]} - {4.5}):
+            for method, m in (("plan RTN", menu), ("plan + searched scales", twins)):
+                plan = solve(est, budget_bits=b, menu=m, mode="estimated")
+                r = in_memory(f"{name}|{method}|{b}", {c.unit: c.scheme for c in plan.choices})
+                rows.append({"menu": name, "method": method, "budget": b, **r,
+                             "predicted": plan.predicted_kl})
+    evaluator.block_out, evaluator.base_lp = [], []  # free the replay caches
+
+    plain_s = done["plain-oneshot"]["wall_s"] if "plain-oneshot" in done else None
+    if plain_s is None:
+        plain_s = plain_oneshot(calib, tok)
+        done["plain-oneshot"] = {"key": "plain-oneshot", "wall_s": plain_s}
+        with done_path.open("a") as fh:
+            fh.write(json.dumps(done["plain-oneshot"]) + "\n")
+    del model
+    written = []
+    for name, menu in menus.items():
+        b = TARGETS[name][0]
+        runs = [("plan + searched scales", dict(budget_bits=b)),
+                ("plan + GPTQ", dict(budget_bits=b, gptq=True)),
+                ("plan + GPTQ + QAD", dict(budget_bits=b, gptq=True, qad=True,
+                                           own_analysis=name == "W4A4"))]
+        if name == "W4A4":
+            runs.append(("uniform + QAD", dict(budget_bits=4.5, menu=["NVFP4"], qad=True)))
+        for method, kw in runs:
+            key = f"{name}|{method}|{kw['budget_bits']}|checkpoint"
+            folder = args.cache / "checkpoints" / key.replace("|", "_").replace(" ", "")
+            item = done.get(key) or keep(checkpoint(key, folder, calib, menu, report_path,
+                                                    args, **kw))
+            rows.append({"menu": name, "method": method, "budget": kw["budget_bits"], **item})
+            written.append(folder)
+    verified = verify(written, done, done_path) if args.verify else {}
+    result = {"command": "python bench/stack.py " + " ".join(argv or sys.argv[1:]),
+              "protocol": {"estimate_windows": 8, "calib_windows": 32, "eval_windows": 16,
+                           "window_tokens": 512, "qad_steps": args.steps, "qad_lr": args.lr,
+                           "qad_windows": args.qad_windows},
+              "base_ppl": est.base_ppl, "analysis_s": round(analysis_s, 1),
+              "analysis_schemes": schemes, "plain_nvfp4_oneshot_s": plain_s, "rows": rows,
+              "verify_vllm": verified, "caveat": BUNDLED_MODEL_NOTE}
+    result["targets"] = targets(result)
+    args.out.write_text(json.dumps(result, indent=1))
+    write_markdown(result, args.out.with_suffix(".md"))
+    print(json.dumps(result["targets"], indent=1))
+    return 0
+
+
+def plain_oneshot(calib: torch.Tensor, tok) -> float:
+    """Wall time of a plain llm-compressor NVFP4 oneshot on the same calibration data."""
+    import tempfile
+
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM
+
+    from fp4sense.inputs.assets import ensure_model
+
+    with tempfile.TemporaryDirectory(prefix="fp4sense-bench-") as tmp:
+        t = time.perf_counter()
+        plain = AutoModelForCausalLM.from_pretrained(ensure_model(log=lambda m: None),
+                                                     dtype=torch.bfloat16)
+        data = Dataset.from_dict({"input_ids": calib.tolist(),
+                                  "attention_mask": torch.ones_like(calib).tolist()})
+        oneshot(model=plain, dataset=data, num_calibration_samples=len(calib),
+                max_seq_length=calib.shape[1], processor=tok,
+                recipe=QuantizationModifier(targets=["Linear"], scheme="NVFP4",
+                                            ignore=["lm_head"]))
+        plain.save_pretrained(Path(tmp) / "uniform", save_compressed=True)
+        return round(time.perf_counter() - t, 1)
+
+
+def checkpoint(key, folder, calib, menu, report_path, args, *, budget_bits, gptq=False,
+               qad=False, own_analysis=False) -> dict:
+    """`fp4sense quantize` (searched-scale twins on), evaluated from disk."""
+    from fp4sense.api import quantize_model
+    from fp4sense.quantization.distill import DistillSettings
+
+    distill = DistillSettings(steps=args.steps, lr=args.lr, windows=args.qad_windows) \
+        if qad else None
+    t = time.perf_counter()
+    result = quantize_model(None, out_dir=folder, budget_bits=budget_bits, menu=menu,
+                            sensitivity=None if own_analysis else report_path,
+                            gptq=gptq, distill=distill, calib_windows=len(calib),
+                            eval_windows=16, overwrite=True, progress=False, log=print)
+    wall = time.perf_counter() - t
+    e, timings = result["eval"], result["timings"]
+    item = {"key": key, "bits": e["effective_bits"], "kl": e["kl"], "kl_se": e["kl_se"],
+            "ppl": e["ppl"], "top1": e["top1"], "eval": "checkpoint",
+            "schemes": result["plan"]["schemes"], "timings": timings,
+            "wall_s": round(wall - timings.get("eval_s", 0.0), 1)}
+    if qad:
+        record = json.loads((folder / "distill.json").read_text())
+        item["qad"] = {k: record[k] for k in ("loss_before", "loss_after", "time_s")}
+        item["qad"]["rollbacks"] = len(record["rollbacks"])
+    return item
+
+
+def verify(folders, done, done_path) -> dict:
+    out = {}
+    exe = str(Path(sys.executable).parent / "fp4sense")
+    for folder in folders:
+        key = f"verify|{folder.name}"
+        if key not in done:
+            proc = subprocess.run([exe, "verify-vllm", str(folder)], capture_output=True,
+                                  text=True)
+            done[key] = {"key": key, "rc": proc.returncode,
+                         "tail": (proc.stdout + proc.stderr)[-400:]}
+            with done_path.open("a") as fh:
+                fh.write(json.dumps(done[key]) + "\n")
+        out[folder.name] = "PASS" if done[key]["rc"] == 0 else "FAIL"
+    return out
+
+
+def targets(result: dict) -> list[dict]:
+    rows, out = result["rows"], []
+    for menu, (budget, kl) in TARGETS.items():
+        best = min((r for r in rows if r["menu"] == menu and r["bits"] <= budget + 1e-6),
+                   key=lambda r: r["kl"], default=None)
+        if best is not None:
+            out.append({"menu": menu, "target": f"KL <= {kl} at <= {budget} bits",
+                        "best": f"{best['method']} @{best['bits']:.3f}: {best['kl']:.4f}",
+                        "met": best["kl"] <= kl})
+    qad = [r for r in rows if r["method"] == "uniform + QAD"]
+    if qad:
+        out.append({"menu": "W4A4", "target": f"uniform NVFP4 + QAD <= {UNIFORM_QAD_TARGET}",
+                    "best": f"{qad[0]['kl']:.4f}", "met": qad[0]["kl"] <= UNIFORM_QAD_TARGET})
+    full = [r for r in rows if r["method"] == "plan + GPTQ + QAD" and r["menu"] == "W4A4"]
+    if full and result.get("plain_nvfp4_oneshot_s"):
+        ratio = full[0]["wall_s"] / result["plain_nvfp4_oneshot_s"]
+        out.append({"menu": "W4A4", "target": f"whole stack within {TIME_TARGET}x a plain "
+                    "NVFP4 oneshot", "best": f"{full[0]['wall_s']:.0f} s / "
+                    f"{result['plain_nvfp4_oneshot_s']:.0f} s = {ratio:.1f}x",
+                    "met": ratio <= TIME_TARGET})
+    return out
+
+
+def write_markdown(result: dict, path: Path) -> None:
+    p = result["protocol"]
+    lines = ["# The whole stack on SmolLM2", "", f"`{result['command']}`", "",
+             f"Base PPL {result['base_ppl']:.3f}. {result['caveat']}", "",
+             f"QAD: {p['qad_steps']} steps, learning rate {p['qad_lr']:g}, "
+             f"{p['qad_windows']} calibration windows. Estimate of all the menus' schemes: "
+             f"{result['analysis_s']:.0f} s. Plain llm-compressor NVFP4 oneshot on the same "
+             f"data: {result['plain_nvfp4_oneshot_s']:.1f} s.", ""]
+    for menu in dict.fromkeys(r["menu"] for r in result["rows"]):
+        lines += [f"## {menu}", "", "| method | budget | bits | KL (± se) | PPL | top-1 | "
+                  "evaluated | wall s |", "|---|---|---|---|---|---|---|---|"]
+        for r in sorted((r for r in result["rows"] if r["menu"] == menu),
+                        key=lambda r: (r["budget"], r["eval"] == "checkpoint")):
+            lines.append(f"| {r['method']} | {r['budget']} | {r['bits']:.3f} | {r['kl']:.4f} ± "
+                         f"{r['kl_se']:.4f} | {r['ppl']:.2f} | {r['top1']:.3f} | {r['eval']} | "
+                         f"{r['wall_s']:.0f} |")
+        lines.append("")
+    lines += ["## Targets", "", "| menu | target | best | met |", "|---|---|---|---|"]
+    lines += [f"| {t['menu']} | {t['target']} | {t['best']} | {'yes' if t['met'] else 'no'} |"
+              for t in result["targets"]]
+    if result["verify_vllm"]:
+        lines += ["", "## verify-vllm", ""]
+        lines += [f"- {k}: {v}" for k, v in result["verify_vllm"].items()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,129 @@
+"""QuantizationAwareDistillationModifier: FP4 training (QAD) inside an llm-compressor recipe.
+
+Placed after the quantization modifiers of a stage (``SensitivityGuidedModifier``, a
+plain ``QuantizationModifier``, ``GPTQModifier``), it trains the model at initialization,
+when those have attached their schemes but before calibration: the weights learn to
+match the unquantized model under the attached formats
+(:func:`fp4sense.quantization.distill.distill`), then calibration, GPTQ and compression
+run on the trained weights as usual, so the checkpoint is the one a plain recipe writes::
+
+    quant_stage:
+      quant_modifiers:
+        SensitivityGuidedModifier:
+          plan: plan.json
+        QuantizationAwareDistillationModifier:
+          steps: 100
+          lr: 5.0e-05
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+from llmcompressor.core import State
+from llmcompressor.modifiers import Modifier
+from pydantic import PrivateAttr
+
+from fp4sense.diagnosis.units import find_units, model_fingerprint
+from fp4sense.numerics.schemes import menu_name_of
+from fp4sense.quantization.distill import DistillError, DistillSettings, distill
+from fp4sense_llmcompressor.modifier import _calibration_windows
+
+__all__ = ["QuantizationAwareDistillationModifier"]
+
+
+class QuantizationAwareDistillationModifier(Modifier):
+    """Train the model under the schemes the stage's quantization modifiers attached.
+
+    :param steps: optimizer steps (one calibration window each)
+    :param lr: AdamW learning rate (cosine schedule to zero)
+    :param seed: which calibration windows, and their order
+    :param windows: calibration samples trained on (their base log-probs stay in memory)
+    :param state_dir: where an interrupted run saves and resumes (optional)
+    :param device: where training runs (default: the first CUDA device when there is one,
+        else where the model is); the model goes back afterwards
+    """
+
+    steps: int
+    lr: float = 5e-5
+    seed: int = 0
+    windows: int = 16
+    check_every: int = 10
+    rise: float = 1.5
+    rescale_every: int = 20
+    save_every: int = 20
+    state_dir: str | None = None
+    device: str | None = None
+
+    _record: dict | None = PrivateAttr(None)
+
+    @property
+    def record(self) -> dict | None:
+        """What the training did (losses, curves, rollbacks), once it ran."""
+        return self._record
+
+    def on_initialize(self, state: State, **kwargs) -> bool:
+        model = state.model
+        settings = DistillSettings(
+            steps=self.steps, lr=self.lr, seed=self.seed, windows=self.windows,
+            check_every=self.check_every, rise=self.rise, rescale_every=self.rescale_every,
+            save_every=self.save_every)
+        settings.check()
+        windows = _training_windows(state, self.windows, self.seed)
+        units = find_units(model, windows[:1, :16])
+        schemes = _attached_schemes(model, units)
+        home = next(model.parameters()).device
+        device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else home))
+        key = f"{model_fingerprint(model)}:{sorted(schemes.items())}"
+        model.to(device)
+        try:
+            self._record = distill(model, units, schemes, windows, settings,
+                                   state_dir=self.state_dir, key=key)
+        finally:
+            model.to(home)
+        self._record["settings"] = asdict(settings)
+        return True
+
+    def on_finalize(self, state: State, **kwargs) -> bool:
+        return True
+
+
+def _training_windows(state: State, n: int, seed: int) -> torch.Tensor:
+    """``n`` calibration samples chosen by ``seed`` from all of them in a canonical order
+    (llm-compressor's sampler shuffles without a seed: a recipe run again trains on the
+    same windows only if the choice does not depend on its order)."""
+    rows = _calibration_windows(state, 1 << 62)
+    rows = rows[sorted(range(len(rows)), key=lambda i: rows[i].tolist())]
+    pick = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))[:n]
+    return rows[pick]
+
+
+def _attached_schemes(model: torch.nn.Module, units) -> dict[str, str]:
+    """unit -> menu scheme, from the schemes the quantization modifiers attached (a unit
+    no modifier targets stays BF16, untouched)."""
+    modules = dict(model.named_modules())
+    out: dict[str, str] = {}
+    for unit in units.units:
+        names = set()
+        for m in unit.modules:
+            attached = getattr(modules[m], "quantization_scheme", None)
+            if attached is None:
+                names.add("BF16")
+                continue
+            name = menu_name_of(attached)
+            if name is None:
+                raise DistillError(
+                    f"QuantizationAwareDistillationModifier: {m} is quantized with a scheme "
+                    f"fp4sense cannot train ({attached.weights}); use a scheme of fp4sense's "
+                    "menu (`fp4sense schemes`) or drop the distillation")
+            names.add(name)
+        if len(names) > 1:
+            raise DistillError(f"QuantizationAwareDistillationModifier: the linears of "
+                               f"{unit.name} carry different schemes ({sorted(names)}); they "
+                               "are one unit (fused in vLLM): give them one scheme")
+        out[unit.name] = names.pop()
+    if all(s == "BF16" for s in out.values()):
+        raise DistillError("QuantizationAwareDistillationModifier: no quantization scheme is "
+                           "attached; put it after the stage's quantization modifiers")
+    return out

@@ -1,0 +1,164 @@
+"""FP4 training (QAD): it lowers the KL it trains on, rolls back a diverging run, resumes
+an interrupted one to the same weights, and leaves BF16 units untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from fp4sense.diagnosis.units import find_units
+from fp4sense.quantization import distill as qad
+from fp4sense.quantization.distill import DistillError, DistillSettings, distill
+
+
+def _setup(tiny_llama):
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    windows = torch.randint(0, 2000, (4, 48), generator=torch.Generator().manual_seed(1))
+    units = find_units(model, windows[:1, :16])
+    names = [u.name for u in units.units]
+    # a mixed plan: W4A4 NVFP4 with searched scales, W4A4 NVFP4, FP8, one unit left in BF16
+    schemes = {n: ("NVFP4_SEARCH", "NVFP4", "FP8_DYNAMIC")[i % 3] for i, n in enumerate(names)}
+    schemes[names[-1]] = "BF16"
+    return model, units, schemes, windows, names[-1]
+
+
+def _weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_qad_lowers_the_kl_and_leaves_bf16_units_alone(tiny_llama):
+    model, units, schemes, windows, bf16_unit = _setup(tiny_llama)
+    before = _weights(model)
+    record = distill(model, units, schemes, windows,
+                     DistillSettings(steps=12, lr=3e-5, windows=4, check_every=4,
+                                     save_every=4, rescale_every=4), progress=False)
+    assert record["loss_after"] < record["loss_before"]
+    assert len(record["history"]["loss"]) == 12 and not record["rollbacks"]
+    after = _weights(model)
+    assert list(after) == list(before)  # no parametrization left behind
+    frozen = {f"{m}.weight" for m in units.by_name()[bf16_unit].modules}
+    for key, value in before.items():
+        if key in frozen or "norm" in key or "embed" in key:
+            assert torch.equal(after[key], value), key
+    changed = [k for k in before if not torch.equal(after[k], before[k])]
+    assert changed and all(k.endswith("proj.weight") and k not in frozen for k in changed)
+
+
+def test_qad_rolls_back_a_diverging_run(tiny_llama):
+    """A learning rate that makes the loss explode: back to the best state, half the rate,
+    said in the log and the record; the weights end finite."""
+    model, units, schemes, windows, _ = _setup(tiny_llama)
+    lines: list[str] = []
+    record = distill(model, units, schemes, windows,
+                     DistillSettings(steps=12, lr=3.0, windows=4, check_every=2, save_every=2),
+                     progress=False, log=lines.append)
+    assert record["rollbacks"] and record["rollbacks"][0]["lr"] == 1.5
+    assert any("rolled back to step" in line for line in lines)
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+    assert record["loss_after"] <= record["loss_before"] * 1.5
+
+
+def test_interrupted_qad_resumes_to_the_same_weights(tiny_llama, tmp_path, monkeypatch):
+    settings = DistillSettings(steps=8, lr=1e-3, windows=4, check_every=2, save_every=4,
+                               rescale_every=3)
+    model, units, schemes, windows, _ = _setup(tiny_llama)
+    distill(model, units, schemes, windows, settings, progress=False)
+    straight = _weights(model)
+
+    model, units, schemes, windows, _ = _setup(tiny_llama)
+    real_kl, calls = qad._kl, {"n": 0}
+
+    def interrupting(*args):
+        calls["n"] += 1
+        if calls["n"] == 4 + 6:  # 4 windows of "before", then the 6th training step
+            raise KeyboardInterrupt
+        return real_kl(*args)
+
+    monkeypatch.setattr(qad, "_kl", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        distill(model, units, schemes, windows, settings, state_dir=tmp_path, key="k",
+                progress=False)
+    assert (tmp_path / qad.STATE_FILE).is_file()
+    monkeypatch.setattr(qad, "_kl", real_kl)
+    model, units, schemes, windows, _ = _setup(tiny_llama)
+    lines: list[str] = []
+    distill(model, units, schemes, windows, settings, state_dir=tmp_path, key="k",
+            progress=False, log=lines.append)
+    assert any("resumed at step 4" in line for line in lines)
+    resumed = _weights(model)
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
+@pytest.mark.parametrize("bad", [{"steps": 0}, {"steps": -3}, {"steps": 5, "lr": 0.0},
+                                 {"steps": 5, "save_every": 7}])
+def test_bad_settings_are_one_clear_error(bad):
+    with pytest.raises(DistillError):
+        DistillSettings(**bad).check()
+
+
+def test_a_plan_for_another_model_is_refused(tiny_llama):
+    model, units, schemes, windows, _ = _setup(tiny_llama)
+    with pytest.raises(DistillError, match="does not have"):
+        distill(model, units, {"model.layers.9.mlp.down_proj": "NVFP4"}, windows,
+                DistillSettings(steps=2), progress=False)
+    with pytest.raises(DistillError, match="quantizes no unit"):
+        distill(model, units, {u: "BF16" for u in schemes}, windows,
+                DistillSettings(steps=2), progress=False)
+
+
+@pytest.mark.slow
+def test_quantize_with_distill_writes_the_usual_checkpoint_and_its_recipe_reproduces_it(
+        tiny_llama, text_file, tmp_path):
+    """`fp4sense quantize --distill` trains inside the oneshot (the QAD modifier after the
+    planner), writes the same kind of checkpoint with the training recorded, keeps no
+    state once done, and its recipe.yaml alone writes the same tensors again."""
+    import json
+    import os
+    import subprocess
+
+    import yaml
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    import fp4sense_llmcompressor  # noqa: F401
+    from conftest import FP4SENSE, SMALL
+    from fp4sense.api import analysis_windows
+    from fp4sense.checkpoint.checks import check_checkpoint
+
+    out = tmp_path / "qad"
+    proc = subprocess.run([FP4SENSE, "quantize", str(tiny_llama), "--budget", "5.5", "--out",
+                           str(out), "--text", str(text_file), *SMALL, "--distill", "4",
+                           "--distill-windows", "2", "--distill-lr", "3e-5", "--no-eval"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_checkpoint(out)
+    record = json.loads((out / "distill.json").read_text())
+    assert len(record["history"]["loss"]) == 4 and (out / "distill.png").is_file()
+    training = json.loads((out / "plan.json").read_text())["training"]
+    assert training["steps"] == 4 and training["loss_before"] == record["loss_before"]
+    assert "## FP4 training" in (out / "README.md").read_text()
+    stage = yaml.safe_load((out / "recipe.yaml").read_text())["quant_stage"]["quant_modifiers"]
+    assert list(stage) == ["SensitivityGuidedModifier", "QuantizationAwareDistillationModifier"]
+    assert stage["QuantizationAwareDistillationModifier"]["steps"] == 4
+    assert "state_dir" not in stage["QuantizationAwareDistillationModifier"]
+    assert not list(tmp_path.glob(".*"))  # no training state, no partial folder left
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    calib = analysis_windows(tok, text_file, 4, 64)
+    data = Dataset.from_dict({"input_ids": calib.tolist(),
+                              "attention_mask": torch.ones_like(calib).tolist()})
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
+    cwd = os.getcwd()
+    os.chdir(out)  # the recipe names plan.json relative to its folder
+    try:
+        oneshot(model=model, recipe="recipe.yaml", dataset=data, num_calibration_samples=4,
+                max_seq_length=64, processor=tok)
+    finally:
+        os.chdir(cwd)
+    model.save_pretrained(tmp_path / "again", save_compressed=True)
+    a = load_file(out / "model.safetensors")
+    b = load_file(tmp_path / "again" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
