@@ -152,7 +152,8 @@ def test_budget_above_the_menu_never_writes_an_unquantized_checkpoint(tiny_llama
 @pytest.mark.slow
 def test_budget_above_the_menu_without_bf16_plans_at_the_top(tiny_llama, text_file, tmp_path):
     proc = _run("quantize", tiny_llama, "--budget", "12", "--menu", "NVFP4",
-                "--no-scale-search", "--out", tmp_path / "q", "--text", text_file, *SMALL, "--no-eval", "--json")
+                "--no-scale-search", "--out", tmp_path / "q",
+                "--text", text_file, *SMALL, "--no-eval", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "above what the menu can use" in proc.stderr
     assert json.loads(proc.stdout)["plan"]["schemes"] == {"NVFP4": 8}  # every unit
