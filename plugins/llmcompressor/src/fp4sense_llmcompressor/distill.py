@@ -55,6 +55,8 @@ class QuantizationAwareDistillationModifier(Modifier):
     save_every: int = 20
     state_dir: str | None = None
     device: str | None = None
+    # it trains on the calibration data (and so needs the sequential pipeline's data)
+    requires_calibration_data: bool = True
 
     _record: dict | None = PrivateAttr(None)
 
