@@ -7,14 +7,15 @@ calibration split, the first 8 for the sensitivity estimate), for three menus:
 - weight-only {NVFP4A16, FP8_DYNAMIC, BF16};  W4A4 {NVFP4, FP8_DYNAMIC, BF16};
   MX {MXFP4, FP8_DYNAMIC, BF16} (W4A4);
 
-rows: uniform RTN, plan RTN, plan + searched scales at 4.5, 4.75, 5.0 and 5.5 bits
-(evaluated in memory with fp4sense's fake quantization, bit for bit the checkpoints';
-bits from the plan's accounting, which equals the written bytes), and, written as real
-checkpoints by `fp4sense quantize` and evaluated from disk (bits measured from the
-files): plan + searched scales, plan + GPTQ, plan + GPTQ + QAD at each menu's target
-budget, and uniform NVFP4 + QAD at 4.5 bits. The same run times a plain llm-compressor
-NVFP4 oneshot on the same calibration data (the baseline of the time target) and runs
-`fp4sense verify-vllm` on every written checkpoint (``--verify``).
+rows: uniform RTN, plan RTN, plan + searched scales at 4.5, 4.75, 5.0 and 5.5 bits (MX:
+at its 4.95 target), evaluated in memory with fp4sense's fake quantization (bit for bit
+the checkpoints'; bits from the plan's accounting, which equals the written bytes); and,
+written as real checkpoints by `fp4sense quantize` (searched twins on) and evaluated
+from disk (bits measured from the files): plan + GPTQ and plan + GPTQ + QAD at the
+target budget of each of ``--checkpoint-menus``, and uniform NVFP4 + QAD at 4.5 bits.
+The same run times a plain llm-compressor NVFP4 oneshot on the same calibration data (the
+baseline of the time target) and runs `fp4sense verify-vllm` on every written checkpoint
+(``--verify``).
 
     .venv/bin/python bench/stack.py [--verify]
 
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=RESULTS / ".stack-cache")
     parser.add_argument("--out", type=Path, default=RESULTS / "stack.json")
     parser.add_argument("--verify", action="store_true", help="verify-vllm each checkpoint")
+    parser.add_argument("--checkpoint-menus", default="W4A4,weight-only",
+                        help="menus whose rows are also written as checkpoints (GPTQ, QAD)")
     parser.add_argument("--fresh", action="store_true")
     args = parser.parse_args(argv)
 
@@ -125,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                 ("uniform + searched scales", {u.name: f"{fp4}_SEARCH" for u in units.units})):
             rows.append({"menu": name, "method": method, "budget": 4.5,
                          **in_memory(f"{name}|{method}", assign)})
-        for b in sorted({*BUDGETS, TARGETS[name][0]} - {4.5}):
+        budgets = BUDGETS if name != "MX" else [TARGETS[name][0]]  # MX: its target only
+        for b in sorted({*budgets, TARGETS[name][0]} - {4.5}):
             for method, m in (("plan RTN", menu), ("plan + searched scales", twins)):
                 plan = solve(est, budget_bits=b, menu=m, mode="estimated")
                 r = in_memory(f"{name}|{method}|{b}", {c.unit: c.scheme for c in plan.choices})
@@ -143,17 +147,19 @@ def main(argv: list[str] | None = None) -> int:
     written = []
     for name, menu in menus.items():
         b = TARGETS[name][0]
-        runs = [("plan + searched scales", dict(budget_bits=b)),
-                ("plan + GPTQ", dict(budget_bits=b, gptq=True)),
-                ("plan + GPTQ + QAD", dict(budget_bits=b, gptq=True, qad=True,
-                                           own_analysis=name == "W4A4"))]
+        runs = [("plan + GPTQ + QAD", dict(budget_bits=b, gptq=True, qad=True,
+                                           own_analysis=name == "W4A4")),
+                ("plan + GPTQ", dict(budget_bits=b, gptq=True))]
         if name == "W4A4":
             runs.append(("uniform + QAD", dict(budget_bits=4.5, menu=["NVFP4"], qad=True)))
+        if name not in args.checkpoint_menus.split(","):
+            continue
         for method, kw in runs:
             key = f"{name}|{method}|{kw['budget_bits']}|checkpoint"
             folder = args.cache / "checkpoints" / key.replace("|", "_").replace(" ", "")
-            item = done.get(key) or keep(checkpoint(key, folder, calib, menu, report_path,
-                                                    args, **kw))
+            kw.setdefault("menu", menu)
+            item = done.get(key) or keep(checkpoint(key, folder, calib, report_path, args,
+                                                    **kw))
             rows.append({"menu": name, "method": method, "budget": kw["budget_bits"], **item})
             written.append(folder)
     verified = verify(written, done, done_path) if args.verify else {}
@@ -196,7 +202,7 @@ def plain_oneshot(calib: torch.Tensor, tok) -> float:
         return round(time.perf_counter() - t, 1)
 
 
-def checkpoint(key, folder, calib, menu, report_path, args, *, budget_bits, gptq=False,
+def checkpoint(key, folder, calib, report_path, args, *, budget_bits, menu, gptq=False,
                qad=False, own_analysis=False) -> dict:
     """`fp4sense quantize` (searched-scale twins on), evaluated from disk."""
     from fp4sense.api import quantize_model
