@@ -2,9 +2,11 @@
 
 1. analyze: measured component and block views and the estimated grid, NVFP4 and MXFP4
    (a quick analysis: 2 calibration windows; the benchmark uses 8);
-2. quantize at 4.75 bits per weight with the menu {NVFP4, FP8_DYNAMIC, BF16}
-   (estimated sensitivities, llm-compressor oneshot, compressed-tensors checkpoint);
-3. the same path with the menu {NVFP4} alone: uniform NVFP4, the starting point;
+2. quantize at 4.75 bits per weight with the menu {NVFP4, FP8_DYNAMIC, BF16} and, as
+   `fp4sense quantize` does by default, NVFP4's searched-scale twin (estimated
+   sensitivities, llm-compressor oneshot, compressed-tensors checkpoint);
+3. the same path with the menu {NVFP4} alone and no scale search: uniform NVFP4 as
+   llm-compressor writes it, the starting point;
 4. evaluate both per protocol (16 evaluation windows) and verify the planned checkpoint
    in vLLM (serve environment);
 5. print a summary table and the paths.
@@ -44,18 +46,19 @@ def main(argv: list[str] | None = None) -> int:
                            n_windows=args.analysis_windows, out_dir=args.out / "analysis")
     times["analyze"] = time.perf_counter() - t
 
-    print(f"== 2/4 quantize at {args.budget} bits (menu NVFP4, FP8_DYNAMIC, BF16)")
+    print(f"== 2/4 quantize at {args.budget} bits (menu NVFP4 + searched twin, FP8_DYNAMIC, "
+          "BF16)")
     t = time.perf_counter()
     planned = quantize_model(args.model, out_dir=args.out / "checkpoint", budget_bits=args.budget,
                              calib_windows=args.calib_windows, overwrite=True)
     times["quantize"] = time.perf_counter() - t
 
-    print("== 3/4 uniform NVFP4 (the same path, menu NVFP4 alone)")
+    print("== 3/4 uniform NVFP4 (the same path, menu NVFP4 alone, amax scales)")
     t = time.perf_counter()
     uniform = quantize_model(args.model, out_dir=args.out / "uniform-nvfp4", budget_bits=16.0,
                              menu=["NVFP4"], calib_windows=args.calib_windows,
                              sensitivity=args.out / "checkpoint" / "sensitivity.json",
-                             overwrite=True)
+                             scale_search=False, overwrite=True)
     times["uniform"] = time.perf_counter() - t
 
     verified = None
