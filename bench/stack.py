@@ -274,7 +274,10 @@ def write_markdown(result: dict, path: Path) -> None:
              f"QAD: {p['qad_steps']} steps, learning rate {p['qad_lr']:g}, "
              f"{p['qad_windows']} calibration windows. Estimate of all the menus' schemes: "
              f"{result['analysis_s']:.0f} s. Plain llm-compressor NVFP4 oneshot on the same "
-             f"data: {result['plain_nvfp4_oneshot_s']:.1f} s.", ""]
+             f"data: {result['plain_nvfp4_oneshot_s']:.1f} s. Wall time of a written "
+             "checkpoint: `fp4sense quantize` from start to the written folder (estimate "
+             "only for the W4A4 plan + GPTQ + QAD row; the others plan from the shared "
+             "estimate), without its evaluation.", ""]
     for menu in dict.fromkeys(r["menu"] for r in result["rows"]):
         lines += [f"## {menu}", "", "| method | budget | bits | KL (± se) | PPL | top-1 | "
                   "evaluated | wall s |", "|---|---|---|---|---|---|---|---|"]
@@ -282,7 +285,7 @@ def write_markdown(result: dict, path: Path) -> None:
                         key=lambda r: (r["budget"], r["eval"] == "checkpoint")):
             lines.append(f"| {r['method']} | {r['budget']} | {r['bits']:.3f} | {r['kl']:.4f} ± "
                          f"{r['kl_se']:.4f} | {r['ppl']:.2f} | {r['top1']:.3f} | {r['eval']} | "
-                         f"{r['wall_s']:.0f} |")
+                         + (f"{r['wall_s']:.0f} |" if r["eval"] == "checkpoint" else "– |"))
         lines.append("")
     lines += ["## Targets", "", "| menu | target | best | met |", "|---|---|---|---|"]
     lines += [f"| {t['menu']} | {t['target']} | {t['best']} | {'yes' if t['met'] else 'no'} |"
