@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         done[item["key"]] = item
         with done_path.open("a") as fh:
             fh.write(json.dumps(item) + "\n")
-        print(f"{item['key']}: bits {item['bits']:.3f} KL {item['kl']:.4f}", flush=True)
+        if "kl" in item:
+            print(f"{item['key']}: bits {item['bits']:.3f} KL {item['kl']:.4f}", flush=True)
         return item
 
     menus = {m: MENUS[m] for m in args.menus.split(",")}
@@ -95,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     est = analyze(model, calib[:8], schemes=schemes, views=["grid"], modes=["estimated"],
                   cache_dir=args.cache / "analysis", log=print)
     est.save(report_path)
-    analysis_s = time.perf_counter() - t
+    if "analysis" not in done and time.perf_counter() - t > 60:  # computed, not cached
+        keep({"key": "analysis", "wall_s": round(time.perf_counter() - t, 1)})
     units = est.units
     by_name = units.by_name()
     total = sum(u.numel for u in units.units)
@@ -144,37 +146,44 @@ def main(argv: list[str] | None = None) -> int:
         with done_path.open("a") as fh:
             fh.write(json.dumps(done["plain-oneshot"]) + "\n")
     del model
-    written = []
-    for name, menu in menus.items():
-        b = TARGETS[name][0]
-        runs = [("plan + GPTQ + QAD", dict(budget_bits=b, gptq=True, qad=True,
-                                           own_analysis=name == "W4A4")),
-                ("plan + GPTQ", dict(budget_bits=b, gptq=True))]
-        if name == "W4A4":
-            runs.append(("uniform + QAD", dict(budget_bits=4.5, menu=["NVFP4"], qad=True)))
-        if name not in args.checkpoint_menus.split(","):
-            continue
-        for method, kw in runs:
-            key = f"{name}|{method}|{kw['budget_bits']}|checkpoint"
-            folder = args.cache / "checkpoints" / key.replace("|", "_").replace(" ", "")
-            kw.setdefault("menu", menu)
-            item = done.get(key) or keep(checkpoint(key, folder, calib, report_path, args,
-                                                    **kw))
-            rows.append({"menu": name, "method": method, "budget": kw["budget_bits"], **item})
-            written.append(folder)
-    verified = verify(written, done, done_path) if args.verify else {}
+    # written checkpoints, in priority order; results are rewritten after each one
+    plans = [(name, m, TARGETS[name][0]) for name, m in menus.items()
+             if name in args.checkpoint_menus.split(",")]
+    runs = [(n, "plan + GPTQ", dict(budget_bits=b, menu=m, gptq=True)) for n, m, b in plans]
+    if "W4A4" in args.checkpoint_menus.split(","):  # the menu's top: uniform NVFP4
+        runs.append(("W4A4", "uniform + QAD", dict(budget_bits=16.0, menu=["NVFP4"], qad=True)))
+    runs[1:1] = [(n, "plan + GPTQ + QAD", dict(budget_bits=b, menu=m, gptq=True, qad=True,
+                                               own_analysis=n == "W4A4")) for n, m, b in plans
+                 if n == "W4A4"]  # the timed row, then the cheap ones, then the rest
+    runs += [(n, "plan + GPTQ + QAD", dict(budget_bits=b, menu=m, gptq=True, qad=True))
+             for n, m, b in plans if n != "W4A4"]
     result = {"command": "python bench/stack.py " + " ".join(argv or sys.argv[1:]),
               "protocol": {"estimate_windows": 8, "calib_windows": 32, "eval_windows": 16,
                            "window_tokens": 512, "qad_steps": args.steps, "qad_lr": args.lr,
                            "qad_windows": args.qad_windows},
-              "base_ppl": est.base_ppl, "analysis_s": round(analysis_s, 1),
+              "base_ppl": est.base_ppl, "analysis_s": done.get("analysis", {}).get("wall_s"),
               "analysis_schemes": schemes, "plain_nvfp4_oneshot_s": plain_s, "rows": rows,
-              "verify_vllm": verified, "caveat": BUNDLED_MODEL_NOTE}
-    result["targets"] = targets(result)
-    args.out.write_text(json.dumps(result, indent=1))
-    write_markdown(result, args.out.with_suffix(".md"))
+              "verify_vllm": {}, "caveat": BUNDLED_MODEL_NOTE}
+    written = []
+    for name, method, kw in runs:
+        key = f"{name}|{method}|{kw['budget_bits']}|checkpoint"
+        folder = args.cache / "checkpoints" / key.replace("|", "_").replace(" ", "")
+        item = done.get(key) or keep(checkpoint(key, folder, calib, report_path, args, **kw))
+        budget = 4.5 if method.startswith("uniform") else kw["budget_bits"]
+        rows.append({"menu": name, "method": method, "budget": budget, **item})
+        written.append(folder)
+        publish(result, args.out)
+    if args.verify:
+        result["verify_vllm"] = verify(written, done, done_path)
+    publish(result, args.out)
     print(json.dumps(result["targets"], indent=1))
     return 0
+
+
+def publish(result: dict, out: Path) -> None:
+    result["targets"] = targets(result)
+    out.write_text(json.dumps(result, indent=1))
+    write_markdown(result, out.with_suffix(".md"))
 
 
 def plain_oneshot(calib: torch.Tensor, tok) -> float:
@@ -273,7 +282,8 @@ def write_markdown(result: dict, path: Path) -> None:
              f"Base PPL {result['base_ppl']:.3f}. {result['caveat']}", "",
              f"QAD: {p['qad_steps']} steps, learning rate {p['qad_lr']:g}, "
              f"{p['qad_windows']} calibration windows. Estimate of all the menus' schemes: "
-             f"{result['analysis_s']:.0f} s. Plain llm-compressor NVFP4 oneshot on the same "
+             + (f"{result['analysis_s']:.0f} s" if result["analysis_s"] else "cached from an "
+                "earlier run of the command") + ". Plain llm-compressor NVFP4 oneshot on the same "
              f"data: {result['plain_nvfp4_oneshot_s']:.1f} s. Wall time of a written "
              "checkpoint: `fp4sense quantize` from start to the written folder (estimate "
              "only for the W4A4 plan + GPTQ + QAD row; the others plan from the shared "
