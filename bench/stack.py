@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         for method, assign in (
                 ("uniform RTN", {u.name: fp4 for u in units.units}),
                 ("uniform + searched scales", {u.name: f"{fp4}_SEARCH" for u in units.units})):
-            rows.append({"menu": name, "method": method, "budget": 4.5,
+            rows.append({"menu": name, "method": method, "budget": None,
                          **in_memory(f"{name}|{method}", assign)})
         budgets = BUDGETS if name != "MX" else [TARGETS[name][0]]  # MX: its target only
         for b in sorted({*budgets, TARGETS[name][0]} - {4.5}):
@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = in_memory(f"{name}|{method}|{b}", {c.unit: c.scheme for c in plan.choices})
                 rows.append({"menu": name, "method": method, "budget": b, **r,
                              "predicted": plan.predicted_kl})
+    base_ppl = evaluator.base_ppl()  # of the evaluation windows
     evaluator.block_out, evaluator.base_lp = [], []  # free the replay caches
 
     plain_s = done["plain-oneshot"]["wall_s"] if "plain-oneshot" in done else None
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
               "protocol": {"estimate_windows": 8, "calib_windows": 32, "eval_windows": 16,
                            "window_tokens": 512, "qad_steps": args.steps, "qad_lr": args.lr,
                            "qad_windows": args.qad_windows},
-              "base_ppl": est.base_ppl, "analysis_s": done.get("analysis", {}).get("wall_s"),
+              "base_ppl": base_ppl, "analysis_s": done.get("analysis", {}).get("wall_s"),
               "analysis_schemes": schemes, "plain_nvfp4_oneshot_s": plain_s, "rows": rows,
               "verify_vllm": {}, "caveat": BUNDLED_MODEL_NOTE}
     written = []
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         key = f"{name}|{method}|{kw['budget_bits']}|checkpoint"
         folder = args.cache / "checkpoints" / key.replace("|", "_").replace(" ", "")
         item = done.get(key) or keep(checkpoint(key, folder, calib, report_path, args, **kw))
-        budget = 4.5 if method.startswith("uniform") else kw["budget_bits"]
+        budget = None if method.startswith("uniform") else kw["budget_bits"]
         rows.append({"menu": name, "method": method, "budget": budget, **item})
         written.append(folder)
         publish(result, args.out)
@@ -292,8 +293,8 @@ def write_markdown(result: dict, path: Path) -> None:
         lines += [f"## {menu}", "", "| method | budget | bits | KL (± se) | PPL | top-1 | "
                   "evaluated | wall s |", "|---|---|---|---|---|---|---|---|"]
         for r in sorted((r for r in result["rows"] if r["menu"] == menu),
-                        key=lambda r: (r["budget"], r["eval"] == "checkpoint")):
-            lines.append(f"| {r['method']} | {r['budget']} | {r['bits']:.3f} | {r['kl']:.4f} ± "
+                        key=lambda r: (round(r["bits"], 2), r["eval"] == "checkpoint")):
+            lines.append(f"| {r['method']} | {r['budget'] or '–'} | {r['bits']:.3f} | {r['kl']:.4f} ± "
                          f"{r['kl_se']:.4f} | {r['ppl']:.2f} | {r['top1']:.3f} | {r['eval']} | "
                          + (f"{r['wall_s']:.0f} |" if r["eval"] == "checkpoint" else "– |"))
         lines.append("")
