@@ -294,7 +294,8 @@ def write_markdown(result: dict, path: Path) -> None:
                   "evaluated | wall s |", "|---|---|---|---|---|---|---|---|"]
         for r in sorted((r for r in result["rows"] if r["menu"] == menu),
                         key=lambda r: (round(r["bits"], 2), r["eval"] == "checkpoint")):
-            lines.append(f"| {r['method']} | {r['budget'] or '–'} | {r['bits']:.3f} | {r['kl']:.4f} ± "
+            budget = r["budget"] or "–"
+            lines.append(f"| {r['method']} | {budget} | {r['bits']:.3f} | {r['kl']:.4f} ± "
                          f"{r['kl_se']:.4f} | {r['ppl']:.2f} | {r['top1']:.3f} | {r['eval']} | "
                          + (f"{r['wall_s']:.0f} |" if r["eval"] == "checkpoint" else "– |"))
         lines.append("")
