@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-menus", default="W4A4,weight-only",
                         help="menus whose rows are also written as checkpoints (GPTQ, QAD)")
     parser.add_argument("--fresh", action="store_true")
+    parser.add_argument("--cached-only", action="store_true",
+                        help="publish (and verify) the rows finished before; write no new one")
     args = parser.parse_args(argv)
 
     from fp4sense.api import BUNDLED_MODEL_NOTE, analysis_windows, load_model
@@ -169,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, method, kw in runs:
         key = f"{name}|{method}|{kw['budget_bits']}|checkpoint"
         folder = args.cache / "checkpoints" / key.replace("|", "_").replace(" ", "")
+        if args.cached_only and key not in done:
+            continue
         item = done.get(key) or keep(checkpoint(key, folder, calib, report_path, args, **kw))
         budget = None if method.startswith("uniform") else kw["budget_bits"]
         rows.append({"menu": name, "method": method, "budget": budget, **item})
