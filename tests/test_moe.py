@@ -285,3 +285,28 @@ def test_an_nvfp4_moe_checkpoint_runs_in_vllm(family, moe_models, text_file, tmp
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert json.loads(done.stdout)["passed"]
+
+
+@pytest.mark.slow
+def test_fp8_and_mxfp4_experts_run_in_vllm(moe_models, text_file, tmp_path, serve_python):
+    """vLLM 0.32's CPU kernels for FP8 and MXFP4 experts need AMX (and its compressed-
+    tensors MXFP4 method picks Marlin, a GPU kernel): the plugin's CPU experts serve a
+    plan with MXFP4 experts in one block and FP8_DYNAMIC experts in the other, and
+    vLLM's log-probabilities agree with the transformers evaluation."""
+    out = tmp_path / "mixed"
+    done = subprocess.run([FP4SENSE, "quantize", str(moe_models["qwen3_moe"]), "--text",
+                           str(text_file), "--budget", "8.0", "--menu",
+                           "MXFP4,FP8_DYNAMIC,BF16", "--pin", "0:mlp.experts=MXFP4",
+                           "--pin", "1:mlp.experts=FP8_DYNAMIC", "--no-scale-search",
+                           "--out", str(out), "--no-eval", *SMALL[:6]],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    chosen = {c["unit"]: c["scheme"]
+              for c in json.loads((out / "plan.json").read_text())["choices"]}
+    assert chosen["0:mlp.experts"] == "MXFP4" and chosen["1:mlp.experts"] == "FP8_DYNAMIC"
+    done = subprocess.run([FP4SENSE, "verify-vllm", str(out), "--windows", "1", "--tokens",
+                           "128", "--serve-python", str(serve_python), "--json"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    verdict = json.loads(done.stdout)
+    assert verdict["passed"] and verdict["mean_abs_diff"] < 0.1, verdict

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 __all__ = ["register", "registered"]
 
 logger = logging.getLogger("fp4sense.vllm")
@@ -70,20 +72,82 @@ def _register_cpu_kernels() -> None:
 
 
 def _register_cpu_moe() -> None:
-    """NVFP4 fused MoE: vLLM's EMULATION backend names a Triton class; on the CPU the
-    backend's kernel list gets ours (same computation, torch) instead."""
-    from vllm.model_executor.layers.fused_moe.oracle import nvfp4 as oracle
+    """Fused MoE on the CPU. vLLM picks experts per backend from each oracle's
+    ``backend_to_kernel_cls``; the backends whose weights it leaves as stored get a CPU
+    class beside vLLM's own (same computation, torch): NVFP4's EMULATION backend (vLLM's
+    class is Triton) and FP8's TRITON backend (vLLM's CPU FP8 experts need AMX)."""
+    from vllm.model_executor.layers.fused_moe.oracle import fp8, nvfp4
 
-    from fp4sense_vllm.moe import CpuNvFp4A16EmulationExperts, CpuNvFp4EmulationExperts
+    from fp4sense_vllm.moe import (
+        CpuFp8Experts,
+        CpuNvFp4A16EmulationExperts,
+        CpuNvFp4EmulationExperts,
+    )
 
+    _add_experts(nvfp4, nvfp4.NvFp4MoeBackend.EMULATION,
+                 [CpuNvFp4EmulationExperts, CpuNvFp4A16EmulationExperts], replace=True)
+    _add_experts(fp8, fp8.Fp8MoeBackend.TRITON, [CpuFp8Experts], replace=False)
+    _cpu_mxfp4_moe_method()
+
+
+def _cpu_mxfp4_moe_method() -> None:
+    """vLLM's compressed-tensors MXFP4 MoE method chooses Marlin (GPU) on every device
+    but Blackwell and XPU, without an oracle to extend; on the CPU its three methods
+    that choose and prepare the experts run our W4A4 experts on the stored tensors
+    (the rest of the class, and every other platform, unchanged)."""
+    from vllm.model_executor.layers.fused_moe.config import mxfp4_moe_quant_config
+    from vllm.model_executor.layers.fused_moe.oracle import mxfp4
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (  # noqa: E501
+        compressed_tensors_moe_w4a4_mxfp4 as method,
+    )
+
+    from fp4sense_vllm.moe import CpuMxFp4Experts
+
+    cls = method.CompressedTensorsW4A4Mxfp4MoEMethod
+    if getattr(cls, "_fp4sense_wrapped", False):
+        return
+    original_init = cls.__init__
+
+    def __init__(self, moe):
+        original_init(self, moe)
+        self.mxfp4_backend = mxfp4.Mxfp4MoeBackend.EMULATION
+        self.experts_cls = CpuMxFp4Experts
+        logger.info("fp4sense: MXFP4 MoE on CPU uses CpuMxFp4Experts (emulation, W4A4)")
+
+    def get_fused_moe_quant_config(self, layer):
+        return mxfp4_moe_quant_config(w1_scale=layer.w13_weight_scale,
+                                      w2_scale=layer.w2_weight_scale)
+
+    def process_weights_after_loading(self, layer) -> None:
+        for name in ("w13", "w2"):  # the stored tensors, as vLLM's method names them
+            setattr(layer, f"{name}_weight", torch.nn.Parameter(
+                getattr(layer, f"{name}_weight_packed").data, requires_grad=False))
+            delattr(layer, f"{name}_weight_packed")
+        self.moe_quant_config = self.get_fused_moe_quant_config(layer)
+        self.moe_kernel = mxfp4.make_mxfp4_moe_kernel(
+            moe_quant_config=self.moe_quant_config, moe_config=self.moe,
+            experts_cls=self.experts_cls, mxfp4_backend=self.mxfp4_backend,
+            routing_tables=layer._expert_routing_tables())
+        self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    cls.__init__ = __init__
+    cls.get_fused_moe_quant_config = get_fused_moe_quant_config
+    cls.process_weights_after_loading = process_weights_after_loading
+    cls._fp4sense_wrapped = True
+
+
+def _add_experts(oracle, backend, classes: list, replace: bool) -> None:
+    """Wrap ``oracle.backend_to_kernel_cls`` so that ``backend`` offers ``classes``
+    (instead of vLLM's, or after them: each class says itself which device it runs on)."""
     original = oracle.backend_to_kernel_cls
     if getattr(original, "_fp4sense_wrapped", False):
         return
 
-    def backend_to_kernel_cls(backend, *args, **kwargs):
-        if backend == oracle.NvFp4MoeBackend.EMULATION:
-            return [CpuNvFp4EmulationExperts, CpuNvFp4A16EmulationExperts]
-        return original(backend, *args, **kwargs)
+    def backend_to_kernel_cls(chosen, *args, **kwargs):
+        if chosen == backend:
+            return list(classes) if replace else [
+                *original(chosen, *args, **kwargs), *classes]
+        return original(chosen, *args, **kwargs)
 
     backend_to_kernel_cls._fp4sense_wrapped = True  # type: ignore[attr-defined]
     oracle.backend_to_kernel_cls = backend_to_kernel_cls

