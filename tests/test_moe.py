@@ -202,15 +202,60 @@ def test_quantize_writes_every_expert_quantized(family, moe_models, text_file, t
         "model.layers.1.mlp.experts.3.down_proj has no weight_scale tensor")
 
 
-def test_quantize_refuses_experts_stored_under_other_names(moe_models, text_file, tmp_path):
+def test_stored_expert_names_pair_with_the_linears(moe_models, tmp_path):
+    """Mixtral stores each expert as w1/w2/w3 under block_sparse_moe; the linears are
+    mlp.experts.N.gate_proj/up_proj/down_proj: paired from the files, and unpairable
+    names are one error naming the experts."""
+    from safetensors.torch import save_file
+
+    from fp4sense.inputs.moe import ExpertLayoutError, stored_expert_names
+
+    mixtral = _load(moe_models["mixtral"])
+    assert stored_expert_names(mixtral, str(moe_models["mixtral"])) == {
+        "mlp.experts": ("block_sparse_moe.experts", ("w1", "w2", "w3"))}
+    qwen = _load(moe_models["qwen3_moe"])
+    assert stored_expert_names(qwen, str(moe_models["qwen3_moe"])) == {}  # same names
+    save_file({f"model.layers.0.{lst}.experts.0.{p}.weight": torch.zeros(1)
+               for lst in ("block_sparse_moe", "moe_b") for p in ("w1", "w2", "w3")},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(ExpertLayoutError, match=r"model\.layers\.0\.mlp\.experts .*"
+                       r"cannot pair.*block_sparse_moe\.experts.*moe_b\.experts"):
+        stored_expert_names(mixtral, str(tmp_path))
+    save_file({"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(1)},
+              str(tmp_path / "model.safetensors"))  # 3-D in the files: written as named
+    assert stored_expert_names(mixtral, str(tmp_path)) == {}
+
+
+@pytest.mark.slow
+def test_mixtral_quantizes_and_runs_in_vllm(moe_models, text_file, tmp_path, serve_python):
+    """Experts stored under other names (Mixtral): the config groups name the linears and
+    the stored names, so llm-compressor quantizes every expert, fp4sense's eval loads the
+    checkpoint (the family's renamings applied) and vLLM serves it."""
+    from safetensors import safe_open
+
     out = tmp_path / "mixtral-q"
     done = subprocess.run([FP4SENSE, "quantize", str(moe_models["mixtral"]), "--text",
-                           str(text_file), "--budget", "5.0", "--out", str(out), *SMALL],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode != 0
-    line = done.stderr.strip().splitlines()[-1]
-    assert "block_sparse_moe.experts.0.w1" in line and "analyze works" in line
-    assert not out.exists() and not list(tmp_path.glob(".mixtral-q*"))
+                           str(text_file), "--budget", "8.0", "--menu",
+                           "NVFP4,FP8_DYNAMIC,BF16", "--pin", "0:mlp.experts=NVFP4", "--pin",
+                           "1:mlp.experts=FP8_DYNAMIC", "--out", str(out), *SMALL],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    with safe_open(str(out / "model.safetensors"), "pt") as fh:
+        stored = {k.rsplit(".", 1)[0] for k in fh.keys() if ".experts." in k}
+    assert len(stored) == 2 * 8 * 3
+    for module in stored:  # every expert quantized, and in exactly one config group
+        assert sum(any(re.match(t[3:], module) for t in g["targets"])
+                   for g in config["config_groups"].values()) == 1, module
+    # vLLM names Mixtral's experts as the original files do
+    assert any(re.match(t[3:], "model.layers.0.block_sparse_moe.experts.0.w1")
+               for g in config["config_groups"].values() for t in g["targets"])
+    assert json.loads((out / "fp4sense-quantize.json").read_text())["eval"]["kl"] > 0
+    done = subprocess.run([FP4SENSE, "verify-vllm", str(out), "--windows", "1", "--tokens",
+                           "128", "--serve-python", str(serve_python), "--json"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert json.loads(done.stdout)["passed"]
 
 
 def test_a_plan_never_splits_a_fused_moe_layer(moe_models):

@@ -174,6 +174,7 @@ def _load_linearized(folder) -> torch.nn.Module:
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(str(file)))
+    state = _renamed(state, config.model_type)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if getattr(config.get_text_config(), "tie_word_embeddings", False):
         model.tie_weights()
@@ -186,3 +187,22 @@ def _load_linearized(folder) -> torch.nn.Module:
     if compressor is not None:
         compressor.decompress_model(model)
     return model
+
+
+def _renamed(state: dict, model_type: str) -> dict:
+    """Stored names as the model names them: transformers' load-time renamings of the
+    family (Mixtral's ``block_sparse_moe`` -> ``mlp``), the only ones a per-expert
+    checkpoint needs (its weight converters fuse experts, which these models keep apart)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    renamings = [r for r in get_checkpoint_conversion_mapping(model_type) or ()
+                 if isinstance(r, WeightRenaming)]
+    if not renamings:
+        return state
+    out = {}
+    for key, tensor in state.items():
+        for renaming in renamings:
+            key = renaming.rename_source_key(key)[0]
+        out[key] = tensor
+    return out

@@ -11,11 +11,13 @@ module, never skipped.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from fp4sense.validate import InputError
 
-__all__ = ["ExpertLayoutError", "check_stored_names", "fused_experts", "linearize_experts"]
+__all__ = ["ExpertLayoutError", "fused_experts", "linearize_experts", "stored_expert_names"]
 
 
 class ExpertLayoutError(InputError):
@@ -57,30 +59,43 @@ def linearize_experts(model: torch.nn.Module, source: str = "") -> torch.nn.Modu
     return model
 
 
-def check_stored_names(model: torch.nn.Module, source) -> None:
-    """Refuse, before any work, a MoE whose files store experts under other names than
-    the per-expert linears (Mixtral's ``block_sparse_moe.experts.N.w1``): a plan names
-    the linears, and vLLM matches a checkpoint's config groups against stored names, so
-    the two must agree. Models without experts, or without local safetensors, pass."""
+def stored_expert_names(model: torch.nn.Module, source) -> dict[str, tuple[str, tuple]]:
+    """Where a MoE's files store experts under other names than its per-expert linears
+    (Mixtral: the linears ``mlp.experts.N.gate_proj`` are ``block_sparse_moe.experts.N.w1``
+    in the files): experts path -> (stored path, stored projection names). vLLM matches a
+    checkpoint's config groups against its own module names, which follow the stored
+    ones, so a plan's targets name both (:meth:`Plan.config_groups`). Empty when the names
+    agree, for models without experts or without local safetensors, and where the files
+    keep experts as 3-D tensors (the host writes those as the linears are named). Experts
+    whose stored names cannot be paired with the linears are one error, before any work."""
     from fp4sense.diagnosis.experts import expert_lists
     from fp4sense.diagnosis.units import find_blocks
     from fp4sense.inputs.models import _weight_files
 
     blocks_path, blocks = find_blocks(model)
     lists = expert_lists(blocks[0])
-    if not lists:
-        return
-    files = _weight_files(source)
-    rel, children = next(iter(lists.items()))
-    name = f"{blocks_path}.0.{rel}.{children[0][0]}"
-    linear = next(n for n, m in children[0][1].named_modules()
-                  if isinstance(m, torch.nn.Linear))
-    key = f"{name}.{linear}.weight"
-    if files and key not in files:
-        stored = sorted(k for k in files if ".experts." in k and k.startswith(
-            f"{blocks_path}.0."))[:1]
-        raise ExpertLayoutError(
-            f"model {str(source)!r} stores its experts under other names ("
-            f"{stored[0] if stored else 'not per expert'}) than the per-expert linears "
-            f"fp4sense plans ({key}); vLLM matches a checkpoint's config groups against the "
-            "stored names, so fp4sense cannot quantize this family yet (analyze works)")
+    files = _weight_files(source) if lists and source else {}
+    if not files:
+        return {}
+    prefix = f"{blocks_path}.0."
+    stored: dict[str, set] = {}  # stored list path -> projections of its expert 0
+    for key in files:
+        found = re.match(re.escape(prefix) + r"(.+)\.0\.([^.]+)\.weight$", key)
+        if found:
+            stored.setdefault(found[1], set()).add(found[2])
+    out: dict[str, tuple[str, tuple]] = {}
+    for rel, children in lists.items():
+        linears = sorted(n for n, m in children[0][1].named_modules()
+                         if isinstance(m, torch.nn.Linear))
+        if all(f"{prefix}{rel}.{children[0][0]}.{n}.weight" in files for n in linears):
+            continue  # stored as the linears are named
+        others = [p for p in stored if p not in lists and len(stored[p]) == len(linears)]
+        if not others:  # not per expert in the files (3-D): written as the linears
+            continue
+        if len(others) > 1:
+            raise ExpertLayoutError(
+                f"model {str(source)!r}: the experts {prefix}{rel} are stored under names "
+                f"fp4sense cannot pair with its per-expert linears ({', '.join(linears)}); "
+                f"stored expert lists in block 0: {sorted(stored) or 'none'}")
+        out[rel] = (others[0], tuple(sorted(stored[others[0]])))
+    return out

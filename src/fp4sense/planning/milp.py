@@ -103,8 +103,11 @@ class Plan:
             out[c.scheme] = out.get(c.scheme, 0) + 1
         return dict(sorted(out.items()))
 
-    def targets(self) -> dict[str, list[str]]:
-        """scheme -> compressed-tensors targets (one regex per unit kind) for its units."""
+    def targets(self, stored: dict | None = None) -> dict[str, list[str]]:
+        """scheme -> compressed-tensors targets (one regex per unit kind) for its units.
+
+        ``stored`` (:func:`fp4sense.inputs.moe.stored_expert_names`): experts the files
+        store under other names; their regex names the linears and the stored names."""
         by: dict[str, dict[str, list[str]]] = {}
         experts: dict[str, list[str]] = {}  # MoE kind -> the projections of one expert
         for c in self.choices:
@@ -127,14 +130,19 @@ class Plan:
                 if kind in experts:  # every expert's projections
                     path = (re.escape(kind) + r"\.\d+\.("
                             + "|".join(re.escape(p) for p in experts[kind]) + ")")
+                    if kind in (stored or {}):  # and the names vLLM gives them
+                        alias, leaves = stored[kind]
+                        path = (f"({re.escape(kind)}|{re.escape(alias)})" + r"\.\d+\.("
+                                + "|".join(re.escape(p) for p in (*experts[kind], *leaves))
+                                + ")")
                 nums = "|".join(sorted(blocks, key=int))
                 out[scheme].append(f"re:^{re.escape(self.blocks_path)}\\.({nums})\\.{path}$")
         return out
 
-    def config_groups(self) -> dict:
+    def config_groups(self, stored: dict | None = None) -> dict:
         """``group_0 … group_N`` compressed-tensors schemes (names vLLM expects)."""
         return {f"group_{i}": to_quantization_scheme(scheme, targets)
-                for i, (scheme, targets) in enumerate(sorted(self.targets().items()))}
+                for i, (scheme, targets) in enumerate(sorted(self.targets(stored).items()))}
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -13,7 +13,7 @@ import torch
 
 from fp4sense.evaluation.evaluate import evaluate_checkpoint
 from fp4sense.inputs.models import DEFAULT_ANALYSIS_WINDOWS, analysis_windows, load_model
-from fp4sense.inputs.moe import check_stored_names
+from fp4sense.inputs.moe import stored_expert_names
 from fp4sense.publishing.lineage import text_name
 
 __all__ = ["quantize_model"]
@@ -116,7 +116,7 @@ def quantize_model(
     hf_model, tokenizer, notes = load_model(model, placement.dtype, placement.device,
                                             low_memory=low_memory)
     source = str(model) if model is not None else hf_model.config._name_or_path
-    check_stored_names(hf_model, source)  # MoE: plans must name what the files store
+    stored_expert_names(hf_model, source)  # MoE: experts under unpairable names stop here
     hub_id = hub_id_of(source, base_model_id)
     calib = analysis_windows(tokenizer, text, calib_windows, window_tokens)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ from pydantic import PrivateAttr
 
 from fp4sense.diagnosis import SensitivityReport, analyze
 from fp4sense.diagnosis.units import model_fingerprint
+from fp4sense.inputs.moe import stored_expert_names
 from fp4sense.numerics.schemes import get_scheme
 from fp4sense.planning.milp import DEFAULT_MENU, Plan, PlanError, solve
 
@@ -92,7 +93,10 @@ class SensitivityGuidedModifier(QuantizationModifier):
             outside = report.units.outside
         if self.plan_path:
             self._plan.save(self.plan_path)
-        self.config_groups = self._plan.config_groups()
+        # experts the model's files store under other names (Mixtral's w1/w2/w3):
+        # targets name both, so llm-compressor and vLLM match the same groups
+        self.config_groups = self._plan.config_groups(stored_expert_names(
+            state.model, getattr(state.model.config, "_name_or_path", "")))
         self.scheme = None
         self.ignore = sorted(set(self.ignore) | set(outside))
         self._resolved_config = None  # resolved once at construction, before the plan
