@@ -30,8 +30,8 @@ from vllm.model_executor.layers.fused_moe.experts.nvfp4_emulation_moe import (
     Nvfp4QuantizationEmulationTritonExperts,
 )
 from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
-from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
 from vllm.model_executor.layers.fused_moe.utils import moe_kernel_quantize_input
+from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
 from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
     dequantize_to_dtype,
 )
@@ -40,17 +40,20 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (
     kFp8DynamicTokenSym,
     kFp8StaticChannelSym,
     kFp8StaticTensorSym,
-    kNvfp4Static,
-)
-from vllm.model_executor.layers.quantization.utils.quant_utils import (
     kMxfp4Dynamic,
     kMxfp4Static,
+    kNvfp4Static,
 )
 from vllm.platforms import current_platform
 
 from fp4sense.numerics import e2m1, fp4
 
-__all__ = ["CpuFp8Experts", "CpuMxFp4Experts", "CpuNvFp4A16EmulationExperts", "CpuNvFp4EmulationExperts"]
+__all__ = [
+    "CpuFp8Experts",
+    "CpuMxFp4Experts",
+    "CpuNvFp4A16EmulationExperts",
+    "CpuNvFp4EmulationExperts",
+]
 
 NVFP4_BLOCK = 16
 
