@@ -98,13 +98,15 @@ def evaluate_variant(folder: Path, report_path: Path, eval_windows: int) -> dict
             "expert_share": round(sum(u.numel for u in units.units if u.experts) / total, 3)}
 
 
-def checkpoint_check(folder: Path, work: Path, scheme: str = "NVFP4") -> dict:
-    """Uniform ``scheme`` written by `fp4sense quantize` (its evaluation from disk) and
-    served by vLLM (`fp4sense verify-vllm`: log-probs against transformers)."""
+def checkpoint_check(folder: Path, work: Path, scheme: str = "NVFP4",
+                     budget: str = "4.6") -> dict:
+    """``scheme`` (uniform; or a menu, planned at ``budget`` bits) written by `fp4sense
+    quantize` (its evaluation from disk) and served by vLLM (`fp4sense verify-vllm`:
+    log-probs against transformers)."""
     fp4sense = str(Path(sys.executable).parent / "fp4sense")
-    out = work / f"{folder.name}-{scheme.lower()}"
+    out = work / f"{folder.name}-{scheme.lower().replace(',', '-')}-{budget}"
     t = time.perf_counter()
-    subprocess.run([fp4sense, "quantize", str(folder), "--menu", scheme, "--budget", "4.6",
+    subprocess.run([fp4sense, "quantize", str(folder), "--menu", scheme, "--budget", budget,
                     "--out", str(out), "--overwrite", "--json"], check=True,
                    capture_output=True, text=True)
     quantize_s = round(time.perf_counter() - t, 1)
@@ -112,7 +114,10 @@ def checkpoint_check(folder: Path, work: Path, scheme: str = "NVFP4") -> dict:
     done = subprocess.run([fp4sense, "verify-vllm", str(out), "--json"],
                           capture_output=True, text=True)
     served = json.loads(done.stdout) if done.stdout.strip() else {"error": done.stderr[-500:]}
+    plan = json.loads((out / "plan.json").read_text())
     return {"quantize_s": quantize_s, "evaluation": evaluation.get("eval"),
+            "experts_in": sorted({c["scheme"] for c in plan["choices"]
+                                  if c["unit"].endswith("mlp.experts")}),
             "verify_vllm": {k: served.get(k) for k in (
                 "passed", "mean_abs_diff", "max_abs_diff", "tokens", "error")}}
 
