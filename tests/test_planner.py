@@ -140,3 +140,36 @@ def test_pins_in_compressed_tensors_form_and_typos(units):
     assert all(c.scheme == "BF16" for c in plan.choices if c.unit.endswith("down_proj"))
     with pytest.raises(PlanError, match="matches no unit"):
         solve(report, budget_bits=12, menu=MENU, pins={r".*mlp\.dwn_proj": "BF16"})
+
+
+@pytest.mark.parametrize("budget", [4.75, 6.0])
+def test_best_plans_are_the_k_best_in_order_and_selection_keeps_the_lowest_measured(
+        units, budget):
+    """The additivity correction's candidates: the k best plans by predicted KL, exactly
+    (brute force), all different; the kept plan is the one whose measured KL is lowest."""
+    from fp4sense.planning.select import assignment, best_plans, select_measured
+
+    report = _report(units, seed=3)
+    units_ = report.units.units
+    total = sum(u.numel for u in units_)
+    score = {s: report.unit_scores(s, "estimated") for s in MENU if s != "BF16"}
+    feasible = sorted(
+        sum(0.0 if s == "BF16" else score[s][u.name] for u, s in zip(units_, c, strict=True))
+        for c in itertools.product(MENU, repeat=len(units_))
+        if sum(unit_bits(u, s) * u.numel for u, s in zip(units_, c, strict=True)) / total
+        <= budget + 1e-12)
+    plans = best_plans(report, 5, budget_bits=budget, menu=MENU)
+    n = min(5, len(feasible))  # fewer when no more plans fit the budget
+    assert len(plans) == n and (budget != 4.75 or n < 5)
+    assert [p.predicted_kl for p in plans] == pytest.approx(feasible[:n], rel=1e-9, abs=1e-12)
+    assert len({tuple(sorted(assignment(p).items())) for p in plans}) == n
+    assert all(p.bits <= budget + 1e-9 for p in plans)
+    values = [0.5, 0.2, 0.9, 0.1, 0.3][:n]
+    measured = {tuple(sorted(assignment(p).items())): m
+                for p, m in zip(plans, values, strict=True)}
+    kept, trials = select_measured(report, lambda a: measured[tuple(sorted(a.items()))],
+                                   k=5, budget_bits=budget, menu=MENU)
+    assert assignment(kept) == assignment(plans[values.index(min(values))])
+    assert [t["measured"] for t in trials] == values
+    with pytest.raises(PlanError, match="at least 1"):
+        best_plans(report, 0, budget_bits=budget, menu=MENU)

@@ -221,6 +221,7 @@ def solve(
     mode: str | None = None,
     damage: Mapping[str, Mapping[str, float]] | None = None,
     damage_source: str | None = None,
+    exclude: Sequence[Mapping[str, str]] = (),
 ) -> Plan:
     """The exact optimum plan for one objective (give exactly one of the three).
 
@@ -228,6 +229,8 @@ def solve(
         measured where it covers every unit, else estimated).
     :param damage: scheme -> unit name -> damage, instead of the report's grid (e.g. a
         weight-error score); ``damage_source`` names it in the plan.
+    :param exclude: assignments (unit -> scheme) the plan must differ from, so repeated
+        calls give the next best plans (:func:`fp4sense.planning.select.best_plans`).
     """
     from scipy.optimize import Bounds, LinearConstraint, milp
 
@@ -272,6 +275,9 @@ def solve(
     for j, (i, *_) in enumerate(options):
         pick[i, j] = 1
     constraints = [LinearConstraint(pick, 1, 1)]
+    for other in exclude:  # at least one unit differs
+        same = np.array([float(other.get(units[i].name) == sch) for i, sch, *_ in options])
+        constraints.append(LinearConstraint(same[None], 0, len(units) - 1))
     total = sum(u.numel for u in units)
     lo, hi = _range(options, units)
     if kl_target is not None:
