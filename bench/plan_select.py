@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from done import Done  # noqa: E402
 from stack import MENUS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -52,12 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from fp4sense.planning.select import assignment, best_plans
 
     args.cache.mkdir(parents=True, exist_ok=True)
-    done_path = args.cache / "measured.jsonl"
-    done = {}
-    if done_path.is_file():
-        for line in done_path.read_text().splitlines():
-            item = json.loads(line)
-            done[item["key"]] = item["kl"]
+    done = Done(args.cache / "measured.jsonl")
 
     model, tok, _ = load_model(None)
     calib = analysis_windows(tok, None, 32, 512)
@@ -89,10 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         if key not in done:
             pert = {m: (by_name[u], s) for u, s in assign.items() if s != "BF16"
                     for m in by_name[u].modules}
-            done[key] = judges[on].measure(pert)["kl"]
-            with done_path.open("a") as fh:
-                fh.write(json.dumps({"key": key, "kl": done[key]}) + "\n")
-        return done[key]
+            done.keep({"key": key, "kl": judges[on].measure(pert)["kl"]})
+        return done[key]["kl"]
 
     rows = []
     for name, menu in menus.items():

@@ -40,6 +40,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from done import Done  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 BUDGETS = [4.75, 5.0, 5.5, 6.0]
 MENUS = {"NVFP4": ["NVFP4", "FP8_DYNAMIC", "BF16"],
@@ -103,15 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fresh and args.cache.exists():
         shutil.rmtree(args.cache)
     args.cache.mkdir(parents=True, exist_ok=True)
-    done_path = args.cache / "evaluations.jsonl"
-    done = {}
-    if done_path.is_file():
-        for line in done_path.read_text().splitlines():
-            try:
-                item = json.loads(line)
-                done[item["key"]] = item
-            except (json.JSONDecodeError, KeyError):
-                continue
+    done = Done(args.cache / "evaluations.jsonl")
 
     model, tok, _ = load_model(None)
     calib = analysis_windows(tok, None, max(args.windows, args.measured_windows), 512)
@@ -146,9 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         bits = sum(unit_bits(by_name[u], s) * by_name[u].numel for u, s in assign.items())
         item = {"key": key, "bits": bits / total, "kl": r["kl"], "kl_se": r["kl_se"],
                 "ppl": evaluator.base_ppl() + r["dppl"], "top1": r["top1"]}
-        done[key] = item
-        with done_path.open("a") as fh:
-            fh.write(json.dumps(item) + "\n")
+        done.keep(item)
         print(f"{key}: bits {item['bits']:.3f} KL {item['kl']:.4f}", flush=True)
         return item
 

@@ -34,6 +34,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from done import Done  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 MENUS = {"W4A4": ["NVFP4", "FP8_DYNAMIC", "BF16"],
          "weight-only": ["NVFP4A16", "FP8_DYNAMIC", "BF16"],
@@ -72,17 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.fresh and args.cache.exists():
         shutil.rmtree(args.cache)
     args.cache.mkdir(parents=True, exist_ok=True)
-    done_path = args.cache / "rows.jsonl"
-    done = {}
-    if done_path.is_file():
-        for line in done_path.read_text().splitlines():
-            item = json.loads(line)
-            done[item["key"]] = item
+    done = Done(args.cache / "rows.jsonl")
 
     def keep(item: dict) -> dict:
-        done[item["key"]] = item
-        with done_path.open("a") as fh:
-            fh.write(json.dumps(item) + "\n")
+        done.keep(item)
         if "kl" in item:
             print(f"{item['key']}: bits {item['bits']:.3f} KL {item['kl']:.4f}", flush=True)
         return item
@@ -145,9 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     plain_s = done["plain-oneshot"]["wall_s"] if "plain-oneshot" in done else None
     if plain_s is None:
         plain_s = plain_oneshot(calib, tok)
-        done["plain-oneshot"] = {"key": "plain-oneshot", "wall_s": plain_s}
-        with done_path.open("a") as fh:
-            fh.write(json.dumps(done["plain-oneshot"]) + "\n")
+        done.keep({"key": "plain-oneshot", "wall_s": plain_s})
     del model
     # written checkpoints, in priority order; results are rewritten after each one
     plans = [(name, m, TARGETS[name][0]) for name, m in menus.items()
@@ -179,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         written.append(folder)
         publish(result, args.out)
     if args.verify:
-        result["verify_vllm"] = verify(written, done, done_path)
+        result["verify_vllm"] = verify(written, done)
     publish(result, args.out)
     print(json.dumps(result["targets"], indent=1))
     return 0
@@ -242,7 +237,7 @@ def checkpoint(key, folder, calib, report_path, args, *, budget_bits, menu, gptq
     return item
 
 
-def verify(folders, done, done_path) -> dict:
+def verify(folders, done) -> dict:
     out = {}
     exe = str(Path(sys.executable).parent / "fp4sense")
     for folder in folders:
@@ -250,10 +245,8 @@ def verify(folders, done, done_path) -> dict:
         if key not in done:
             proc = subprocess.run([exe, "verify-vllm", str(folder)], capture_output=True,
                                   text=True)
-            done[key] = {"key": key, "rc": proc.returncode,
-                         "tail": (proc.stdout + proc.stderr)[-400:]}
-            with done_path.open("a") as fh:
-                fh.write(json.dumps(done[key]) + "\n")
+            done.keep({"key": key, "rc": proc.returncode,
+                       "tail": (proc.stdout + proc.stderr)[-400:]})
         out[folder.name] = "PASS" if done[key]["rc"] == 0 else "FAIL"
     return out
 

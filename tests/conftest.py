@@ -86,3 +86,31 @@ def serve_python() -> Path:
 def pytest_configure(config):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     sys.path.insert(0, str(REPO / "tests"))
+
+
+def rerun_recipe(folder: Path, base: Path, text_file: Path, again: Path) -> None:
+    """Run ``folder``'s recipe.yaml with llm-compressor's oneshot on ``base`` (from the
+    checkpoint folder: the recipe names its files relative to it) and write the result
+    to ``again``, as a user reproducing a checkpoint would (4 windows of 64 tokens)."""
+    import os
+
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import fp4sense_llmcompressor  # noqa: F401
+    from fp4sense.api import analysis_windows
+
+    tok = AutoTokenizer.from_pretrained(base)
+    calib = analysis_windows(tok, text_file, 4, 64)
+    data = Dataset.from_dict({"input_ids": calib.tolist(),
+                              "attention_mask": torch.ones_like(calib).tolist()})
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        oneshot(model=model, recipe="recipe.yaml", dataset=data, num_calibration_samples=4,
+                max_seq_length=64, processor=tok)
+    finally:
+        os.chdir(cwd)
+    model.save_pretrained(again, save_compressed=True)

@@ -114,18 +114,12 @@ def test_quantize_with_distill_writes_the_usual_checkpoint_and_its_recipe_reprod
     planner), writes the same kind of checkpoint with the training recorded, keeps no
     state once done, and its recipe.yaml alone writes the same tensors again."""
     import json
-    import os
     import subprocess
 
     import yaml
-    from datasets import Dataset
-    from llmcompressor import oneshot
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer
 
-    import fp4sense_llmcompressor  # noqa: F401
-    from conftest import FP4SENSE, SMALL
-    from fp4sense.api import analysis_windows
+    from conftest import FP4SENSE, SMALL, rerun_recipe
     from fp4sense.checkpoint.checks import check_checkpoint
 
     out = tmp_path / "qad"
@@ -146,19 +140,7 @@ def test_quantize_with_distill_writes_the_usual_checkpoint_and_its_recipe_reprod
     assert "state_dir" not in stage["QuantizationAwareDistillationModifier"]
     assert not list(tmp_path.glob(".*"))  # no training state, no partial folder left
 
-    tok = AutoTokenizer.from_pretrained(tiny_llama)
-    calib = analysis_windows(tok, text_file, 4, 64)
-    data = Dataset.from_dict({"input_ids": calib.tolist(),
-                              "attention_mask": torch.ones_like(calib).tolist()})
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
-    cwd = os.getcwd()
-    os.chdir(out)  # the recipe names plan.json relative to its folder
-    try:
-        oneshot(model=model, recipe="recipe.yaml", dataset=data, num_calibration_samples=4,
-                max_seq_length=64, processor=tok)
-    finally:
-        os.chdir(cwd)
-    model.save_pretrained(tmp_path / "again", save_compressed=True)
+    rerun_recipe(out, tiny_llama, text_file, tmp_path / "again")
     a = load_file(out / "model.safetensors")
     b = load_file(tmp_path / "again" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

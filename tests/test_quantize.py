@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import FP4SENSE, SMALL
+from conftest import FP4SENSE, SMALL, rerun_recipe
 
 
 def _run(*args, cwd=None):
@@ -50,29 +50,9 @@ def test_checkpoint_loads_with_plain_transformers(quantized):
 def test_saved_recipe_reproduces_the_checkpoint(quantized, tiny_llama, text_file, tmp_path):
     """recipe.yaml, run from the checkpoint folder with the plugin installed, writes the
     same tensors."""
-    from datasets import Dataset
-    from llmcompressor import oneshot
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import fp4sense_llmcompressor  # noqa: F401
-    from fp4sense.api import analysis_windows
-
-    tok = AutoTokenizer.from_pretrained(tiny_llama)
-    calib = analysis_windows(tok, text_file, 4, 64)
-    data = Dataset.from_dict({"input_ids": calib.tolist(),
-                              "attention_mask": torch.ones_like(calib).tolist()})
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
-    import os
-
-    cwd = os.getcwd()
-    os.chdir(quantized)  # the recipe names sensitivity.json relative to its folder
-    try:
-        oneshot(model=model, recipe="recipe.yaml", dataset=data, num_calibration_samples=4,
-                max_seq_length=64, processor=tok)
-    finally:
-        os.chdir(cwd)
-    model.save_pretrained(tmp_path / "again", save_compressed=True)
+    rerun_recipe(quantized, tiny_llama, text_file, tmp_path / "again")
     a = load_file(quantized / "model.safetensors")
     b = load_file(tmp_path / "again" / "model.safetensors")
     assert a.keys() == b.keys()

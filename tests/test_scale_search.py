@@ -195,3 +195,20 @@ def test_search_twins_follow_their_plain_schemes():
         "NVFP4", "NVFP4_SEARCH", "FP8_DYNAMIC", "BF16"]
     assert with_search_twins(["MXFP4A16_SEARCH", "MXFP4A16", "INT4"]) == [
         "MXFP4A16_SEARCH", "MXFP4A16", "INT4"]
+
+
+@pytest.mark.parametrize("scheme", ["NVFP4_SEARCH", "MXFP4A16_SEARCH"])
+def test_searched_scales_once_then_reused_quantize_the_same(scheme):
+    """The scales a search picks, given back to quantize_weights, give the weights the
+    search gives (bit for bit): training keeps scales between searches this way."""
+    from fp4sense.numerics.fakequant import quantize_weights, searched_scales
+
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.randn(32, 64, generator=gen), 3 * torch.randn(16, 64, generator=gen)]
+    imps = [torch.rand(64, generator=gen) + 0.1, None]
+    scales = searched_scales(scheme, ws, importance=imps)
+    again = quantize_weights(scheme, ws, importance=imps, block_scales=scales)
+    direct = quantize_weights(scheme, ws, importance=imps)
+    assert all(torch.equal(a, b) for a, b in zip(again, direct, strict=True))
+    with pytest.raises(ValueError, match="NVFP4 does not search"):
+        searched_scales("NVFP4", ws)

@@ -288,20 +288,39 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 
 def quantize_unit(scheme: str, unit: Unit, weights: Sequence[torch.Tensor],
-                  importance: Sequence[torch.Tensor | None] | None = None
+                  importance: Sequence[torch.Tensor | None] | None = None,
+                  block_scales: Sequence[torch.Tensor] | None = None
                   ) -> list[torch.Tensor]:
     """``unit``'s weights fake-quantized under ``scheme``, each of its scale groups on
     its own (a fused group shares one NVFP4 global scale; MoE experts one per expert).
-    ``importance``: per weight, the E[x^2] of its inputs (searched-scale schemes)."""
+    ``importance``: per weight, the E[x^2] of its inputs (searched-scale schemes);
+    ``block_scales``: per weight, scales from :func:`unit_scales` (no new search)."""
     from fp4sense.numerics.fakequant import quantize_weights
 
     out: list[torch.Tensor | None] = [None] * len(weights)
     for part in unit.scale_groups:
         imps = None if importance is None else [importance[i] for i in part]
+        given = None if block_scales is None else [block_scales[i] for i in part]
         for i, w in zip(part, quantize_weights(scheme, [weights[i] for i in part],
-                                               importance=imps),
+                                               importance=imps, block_scales=given),
                         strict=True):
             out[i] = w
+    return out
+
+
+def unit_scales(scheme: str, unit: Unit, weights: Sequence[torch.Tensor],
+                importance: Sequence[torch.Tensor | None] | None = None
+                ) -> list[torch.Tensor]:
+    """The block scales a ``*_SEARCH`` scheme's search picks for ``unit``'s weights (per
+    weight; each scale group's global scale as :func:`quantize_unit` uses it)."""
+    from fp4sense.numerics.fakequant import searched_scales
+
+    out: list[torch.Tensor | None] = [None] * len(weights)
+    for part in unit.scale_groups:
+        imps = None if importance is None else [importance[i] for i in part]
+        for i, s in zip(part, searched_scales(scheme, [weights[i] for i in part],
+                                              importance=imps), strict=True):
+            out[i] = s
     return out
 
 

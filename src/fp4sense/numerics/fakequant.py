@@ -28,7 +28,7 @@ import torch
 from fp4sense.numerics import formats, fp4
 from fp4sense.numerics.schemes import Scheme, get_scheme, to_quantization_scheme
 
-__all__ = ["activation_quantizer", "quantize_weights"]
+__all__ = ["activation_quantizer", "quantize_weights", "searched_scales"]
 
 
 def _minmax_qdq(weight: torch.Tensor, args) -> torch.Tensor:
@@ -54,12 +54,15 @@ def quantize_weights(
     weights: Sequence[torch.Tensor],
     dtype: torch.dtype = torch.bfloat16,
     importance: Sequence[torch.Tensor | None] | None = None,
+    block_scales: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Fake-quantized copies of ``weights`` (the parts of one unit) under ``scheme``.
 
     The parts of a fused group are passed together: NVFP4 gives them one global scale.
     ``importance`` (one (in,) E[x^2] per part, or None) weights the block-scale search of
     the ``*_SEARCH`` schemes; without it the search minimizes the plain weight error.
+    ``block_scales`` (one per part, from :func:`searched_scales`) are used instead of
+    searching again.
     """
     s = get_scheme(scheme)
     out_dtype = [w.dtype for w in weights]
@@ -69,19 +72,39 @@ def quantize_weights(
     elif s.is_fp4:
         fmt = formats.get_format(s.weight_format)
         gs = formats.global_scale(*ws) if fmt.has_global_scale else None
-        if s.scale_search:
-            from fp4sense.numerics.scale_search import search_block_scales
-
-            imps = list(importance) if importance is not None else [None] * len(ws)
-            result = [fp4.quantize_dequantize(
-                w, fmt, global_scale=gs, scales=search_block_scales(w, fmt, gs, imp))
-                for w, imp in zip(ws, imps, strict=True)]
-        else:
-            result = [fp4.quantize_dequantize(w, fmt, global_scale=gs) for w in ws]
+        if s.scale_search and block_scales is None:
+            block_scales = _search(ws, fmt, gs, importance)
+        given = list(block_scales) if s.scale_search else [None] * len(ws)
+        result = [fp4.quantize_dequantize(w, fmt, global_scale=gs, scales=scales)
+                  for w, scales in zip(ws, given, strict=True)]
     else:
         args = to_quantization_scheme(s, ["Linear"]).weights
         result = [_minmax_qdq(w, args) for w in ws]
     return [r.to(d) for r, d in zip(result, out_dtype, strict=True)]
+
+
+def searched_scales(
+    scheme: str | Scheme,
+    weights: Sequence[torch.Tensor],
+    dtype: torch.dtype = torch.bfloat16,
+    importance: Sequence[torch.Tensor | None] | None = None,
+) -> list[torch.Tensor]:
+    """The block scales a ``*_SEARCH`` scheme's search picks for ``weights`` (the parts
+    of one unit, as :func:`quantize_weights` takes them), one per part."""
+    s = get_scheme(scheme)
+    if not s.scale_search:
+        raise ValueError(f"{s.name} does not search its block scales")
+    fmt = formats.get_format(s.weight_format)
+    ws = [w.detach().to(dtype) for w in weights]
+    return _search(ws, fmt, formats.global_scale(*ws) if fmt.has_global_scale else None,
+                   importance)
+
+
+def _search(ws, fmt, gs, importance) -> list[torch.Tensor]:
+    from fp4sense.numerics.scale_search import search_block_scales
+
+    imps = list(importance) if importance is not None else [None] * len(ws)
+    return [search_block_scales(w, fmt, gs, imp) for w, imp in zip(ws, imps, strict=True)]
 
 
 def activation_quantizer(

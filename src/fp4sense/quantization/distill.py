@@ -41,7 +41,7 @@ import torch
 from torch.nn.utils import parametrize
 from tqdm.auto import tqdm
 
-from fp4sense.diagnosis.units import UnitMap, quantize_unit
+from fp4sense.diagnosis.units import UnitMap, quantize_unit, unit_scales
 from fp4sense.numerics.fakequant import activation_quantizer
 from fp4sense.numerics.schemes import get_scheme
 
@@ -206,39 +206,16 @@ class _Quantizer:
         for unit, scheme in self.trained:
             mods = [self.modules[m] for m in unit.modules]
             ws = [mod.parametrizations.weight.original for mod in mods]
-            if scheme.scale_search and not search and self.scales:
-                qs = self._with_kept_scales(unit, scheme, ws)
-            else:
-                imps = [self.importance.get(m) for m in unit.modules]
-                qs = quantize_unit(scheme.name, unit, ws, importance=imps)
-                if scheme.scale_search:
-                    self._keep_scales(unit, scheme, ws, imps)
+            imps = [self.importance.get(m) for m in unit.modules]
+            kept = None
+            if scheme.scale_search:  # searched now, or kept from the last search
+                if search or any(m not in self.scales for m in unit.modules):
+                    found = unit_scales(scheme.name, unit, ws, importance=imps)
+                    self.scales.update(zip(unit.modules, found, strict=True))
+                kept = [self.scales[m] for m in unit.modules]
+            qs = quantize_unit(scheme.name, unit, ws, importance=imps, block_scales=kept)
             for mod, w, q in zip(mods, ws, qs, strict=True):
                 mod.parametrizations.weight[0].delta = (q.to(w.dtype) - w).detach()
-
-    def _keep_scales(self, unit, scheme, ws, imps) -> None:
-        from fp4sense.numerics import formats
-        from fp4sense.numerics.scale_search import search_block_scales
-
-        fmt = formats.get_format(scheme.weight_format)
-        for part in unit.scale_groups:
-            parts = [ws[i].to(torch.bfloat16) for i in part]
-            gs = formats.global_scale(*parts) if fmt.has_global_scale else None
-            for i, w in zip(part, parts, strict=True):
-                self.scales[unit.modules[i]] = search_block_scales(w, fmt, gs, imps[i])
-
-    def _with_kept_scales(self, unit, scheme, ws) -> list[torch.Tensor]:
-        from fp4sense.numerics import formats, fp4
-
-        fmt = formats.get_format(scheme.weight_format)
-        out: list[torch.Tensor | None] = [None] * len(ws)
-        for part in unit.scale_groups:
-            parts = [ws[i].to(torch.bfloat16) for i in part]
-            gs = formats.global_scale(*parts) if fmt.has_global_scale else None
-            for i, w in zip(part, parts, strict=True):
-                out[i] = fp4.quantize_dequantize(w, fmt, global_scale=gs,
-                                                 scales=self.scales[unit.modules[i]])
-        return out
 
 
 def _kl(model, window, teacher) -> torch.Tensor:
