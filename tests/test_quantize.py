@@ -89,6 +89,28 @@ def test_budget_out_of_reach_names_the_range(tiny_llama, text_file, tmp_path):
     assert list(tmp_path.iterdir()) == []  # no partial folder left
 
 
+def test_select_plans_measures_the_best_predicted_and_keeps_the_lowest(tiny_llama, text_file,
+                                                                      tmp_path):
+    """--select-plans K: the K best plans by prediction are measured on calibration windows
+    the estimate did not use; the written plan is the one measured lowest."""
+    out = tmp_path / "q"
+    proc = _run("quantize", tiny_llama, "--budget", "6.0", "--out", out, "--text", text_file,
+                "--select-plans", "3", "--no-eval", "--json", *SMALL[:6])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    trials = json.loads(proc.stdout)["plan"]["selection"]
+    assert len(trials) == 3 and [t for t in trials if t.get("kept")]
+    predicted = [t["predicted"] for t in trials]
+    assert predicted == sorted(predicted)
+    kept = min(trials, key=lambda t: t["measured"])
+    assert kept.get("kept") and all(t["measured"] > 0 for t in trials)
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["predicted_kl"] == pytest.approx(kept["predicted"], rel=1e-12)
+    assert "selection: 3 plans measured on 2 calibration windows" in proc.stderr
+    bad = _run("quantize", tiny_llama, "--budget", "6.0", "--out", tmp_path / "b",
+               "--select-plans", "0")
+    assert bad.returncode == 2 and "--select-plans" in bad.stderr.strip().splitlines()[-1]
+
+
 @pytest.mark.slow
 def test_interrupted_quantize_leaves_nothing_that_looks_complete(tiny_llama, text_file,
                                                                 tmp_path, monkeypatch):

@@ -140,6 +140,9 @@ def quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-scale-search", action="store_true",
                    help="plan without the searched-scale twins of the FP4 menu schemes "
                         "(NVFP4 -> NVFP4_SEARCH, used by default where they score lower)")
+    p.add_argument("--select-plans", type=positive_int, default=1, metavar="K",
+                   help="measure the K best plans by prediction on calibration windows the "
+                        "estimate did not use and keep the lowest (default 1: no measuring)")
     p.add_argument("--base-model-id", default=None, metavar="ORG/NAME",
                    help="the base model's Hub id, for the model card's lineage (default: "
                         "derived where certain: a hub id, a Hugging Face cache folder)")

@@ -205,7 +205,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         scale_search=not args.no_scale_search, distill=_distill_settings(args),
         text=text_source(args), calib_windows=args.calib_windows, estimate_windows=args.windows,
         window_tokens=args.tokens, evaluate=not args.no_eval, eval_windows=args.eval_windows,
-        overwrite=args.overwrite, base_model_id=args.base_model_id,
+        overwrite=args.overwrite, base_model_id=args.base_model_id, select_plans=args.select_plans,
         device=args.device, dtype=args.dtype, low_memory=args.low_memory,
         progress=not args.json,
         log=(lambda msg: print(msg, file=sys.stderr)) if args.json else print,

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from fp4sense.diagnosis import SensitivityReport
+from fp4sense.diagnosis.units import UnitMap
+from fp4sense.numerics.schemes import get_scheme
 from fp4sense.planning.milp import Plan, PlanError, solve
 
-__all__ = ["best_plans", "select_measured"]
+__all__ = ["best_plans", "measure_on", "select_measured"]
 
 
 def assignment(plan: Plan) -> dict[str, str]:
@@ -44,10 +48,31 @@ def select_measured(report: SensitivityReport, measure: Callable[[dict[str, str]
 
     :param measure: unit -> scheme assignment -> measured KL (on windows other than the
         ones the result is judged on).
-    :return: the kept plan and one record per candidate (predicted, measured, bits).
+    :return: the kept plan and one record per candidate (predicted, measured, bits; the
+        kept one marked ``kept``), in order of prediction.
     """
     plans = best_plans(report, k, **objective)
     trials = [{"predicted": p.predicted_kl, "measured": float(measure(assignment(p))),
                "bits": p.bits} for p in plans]
     best = min(range(len(plans)), key=lambda i: trials[i]["measured"])
+    trials[best]["kept"] = True
     return plans[best], trials
+
+
+def measure_on(model: torch.nn.Module, units: UnitMap, windows: torch.Tensor
+               ) -> Callable[[dict[str, str]], float]:
+    """unit -> scheme assignment -> the KL it measures on ``windows`` (fp4sense's bit-exact
+    fake quantization of every unit at once; one base pass, made here, gives the input
+    scales and the scale-search weights from these windows)."""
+    from fp4sense.diagnosis.cache import EntryCache
+    from fp4sense.diagnosis.engine import Analysis
+
+    judge = Analysis(model, windows, units, EntryCache(None), progress=False)
+    judge.base_pass()
+    by_name = units.by_name()
+
+    def measure(assign: dict[str, str]) -> float:
+        return judge.measure({m: (by_name[u], s) for u, s in assign.items()
+                              if get_scheme(s).quantizes for m in by_name[u].modules})["kl"]
+
+    return measure

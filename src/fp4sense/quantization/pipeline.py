@@ -32,6 +32,7 @@ def quantize_model(
     pins: dict[str, str] | None = None,
     gptq: bool = False,
     scale_search: bool = True,
+    select_plans: int = 1,
     distill=None,
     base_model_id: str | None = None,
     text: str | os.PathLike | None = None,
@@ -55,6 +56,10 @@ def quantize_model(
     (``NVFP4`` -> ``NVFP4_SEARCH``): same stored format and bits, block scales searched
     for the lowest output error; the plan takes it for the units where it scores lower.
     With GPTQ, GPTQ rounds under the searched scales.
+
+    ``select_plans`` > 1 measures that many best plans by prediction on 4 calibration
+    windows the estimate did not use and keeps the lowest (the additivity correction of
+    :mod:`fp4sense.planning.select`; ``selection`` in the result records them).
 
     ``distill`` (a :class:`fp4sense.quantization.distill.DistillSettings`) trains the
     planned model to match the unquantized one under the plan's formats (QAD) inside the
@@ -101,6 +106,8 @@ def quantize_model(
     placement = resolve(device, dtype, log=log)
     if base_model_id is not None:
         hub_id_of("", base_model_id)  # a malformed id fails before anything runs
+    if select_plans < 1:
+        raise ValueError(f"select_plans must be at least 1, got {select_plans}")
     if sum(x is not None for x in (budget_bits, budget_bytes, kl_target)) != 1:
         raise ValueError("give exactly one of --budget, --budget-bytes, --kl-target")
     if distill is not None:
@@ -154,6 +161,12 @@ def quantize_model(
         lo, hi = plan_cost(report.units, menu)
         plan = solve(report, budget_bits=budget_bits, budget_bytes=budget_bytes,
                      kl_target=kl_target, menu=menu, pins=pins, mode=sensitivity_mode)
+        selection = None
+        if select_plans > 1:
+            plan, selection = _select(hf_model, report, calib, estimate_windows, select_plans,
+                                      dict(budget_bits=budget_bits, budget_bytes=budget_bytes,
+                                           kl_target=kl_target, menu=menu, pins=pins,
+                                           mode=sensitivity_mode), log)
         log(f"plan: {plan.schemes()}, {plan.bits:.3f} bits per weight (menu reaches "
             f"{lo:.2f}–{hi:.2f}), predicted KL {plan.predicted_kl:.4f}")
         _check_plan_quantizes(plan, budget_bits, budget_bytes, lo, hi,
@@ -173,6 +186,8 @@ def quantize_model(
 
         result = {"plan": {"schemes": plan.schemes(), "bits_theory": plan.bits,
                            "predicted_kl": plan.predicted_kl, "damage_source": plan.damage_source}}
+        if selection is not None:
+            result["plan"]["selection"] = selection
         if evaluate:
             t = time.perf_counter()
             result["eval"] = evaluate_checkpoint(work, base=source, n_windows=eval_windows,
@@ -263,3 +278,22 @@ def _oneshot_plan(source: str, calib: torch.Tensor, work: Path, *, plan: str, gp
         return quantizer()(source, calib, work, plan=plan, gptq=gptq)
     return quantizer()(source, calib, work, plan=plan, gptq=gptq, distill=asdict(distill),
                        state_dir=str(state_dir))
+
+
+def _select(model, report, calib, estimate_windows: int, k: int, objective: dict, log):
+    """The best measured of the ``k`` best plans by prediction, measured on 4
+    calibration windows after the estimate's (its own when there are no others)."""
+    from fp4sense.planning.select import measure_on, select_measured
+
+    windows = calib[estimate_windows:estimate_windows + 4]
+    if len(windows) == 0:
+        windows = calib[:4]
+        log("note: no calibration windows beyond the estimate's; plans are measured on "
+            "the estimate's own (raise --calib-windows)")
+    plan, trials = select_measured(report, measure_on(model, report.units, windows), k=k,
+                                   **objective)
+    rank = next(i for i, t in enumerate(trials) if t.get("kept"))
+    log(f"selection: {len(trials)} plans measured on {len(windows)} calibration windows; "
+        f"kept the one ranked {rank + 1} by prediction (measured KL "
+        f"{trials[rank]['measured']:.4f}, the predicted best {trials[0]['measured']:.4f})")
+    return plan, trials
