@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-menus", default="W4A4,weight-only",
                         help="menus whose rows are also written as checkpoints (GPTQ, QAD)")
     parser.add_argument("--fresh", action="store_true")
+    parser.add_argument("--only", default=None, metavar="METHOD",
+                        help="write only this row's checkpoints (e.g. 'plan + QAD'); "
+                             "publish the others finished before")
     parser.add_argument("--cached-only", action="store_true",
                         help="publish (and verify) the rows finished before; write no new one")
     args = parser.parse_args(argv)
@@ -155,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                  if n == "W4A4"]  # the timed row, then the cheap ones, then the rest
     runs += [(n, "plan + GPTQ + QAD", dict(budget_bits=b, menu=m, gptq=True, qad=True))
              for n, m, b in plans if n != "W4A4"]
+    runs += [(n, "plan + QAD", dict(budget_bits=b, menu=m, qad=True))  # QAD, no GPTQ
+             for n, m, b in plans if n == "W4A4"]
     result = {"command": "python bench/stack.py " + " ".join(argv or sys.argv[1:]),
               "protocol": {"estimate_windows": 8, "calib_windows": 32, "eval_windows": 16,
                            "window_tokens": 512, "qad_steps": args.steps, "qad_lr": args.lr,
@@ -166,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, method, kw in runs:
         key = f"{name}|{method}|{kw['budget_bits']}|checkpoint"
         folder = args.cache / "checkpoints" / key.replace("|", "_").replace(" ", "")
-        if args.cached_only and key not in done:
+        if key not in done and (args.cached_only or args.only and method != args.only):
             continue
         item = done.get(key) or keep(checkpoint(key, folder, calib, report_path, args, **kw))
         budget = None if method.startswith("uniform") else kw["budget_bits"]
