@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             row["change"] = row["kept_eval_kl"] / row["predicted_best_eval_kl"] - 1
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "candidates"}), flush=True)
-    result = {"command": "python bench/plan_select.py " + " ".join(argv or sys.argv[1:]),
+    result = {"command": "python bench/plan_select.py " + shlex.join(argv or sys.argv[1:]),
               "protocol": {"estimate_windows": 8, "select_windows": args.select_windows,
                            "eval_windows": 16, "window_tokens": 512, "k": args.k},
               "analysis_s": analysis_s, "rows": rows, "caveat": BUNDLED_MODEL_NOTE}

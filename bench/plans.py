@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import sys
 import tempfile
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         model, tok, calib[:args.windows], evaluate, est, args)
     summary = targets(rows)
     result = {
-        "command": "python bench/plans.py " + " ".join(argv or sys.argv[1:]),
+        "command": "python bench/plans.py " + shlex.join(argv or sys.argv[1:]),
         "protocol": {"analysis_windows": args.windows,
                      "measured_windows": args.measured_windows,
                      "eval_windows": args.eval_windows, "window_tokens": 512},

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
              for n, m, b in plans if n != "W4A4"]
     runs += [(n, "plan + QAD", dict(budget_bits=b, menu=m, qad=True))  # QAD, no GPTQ
              for n, m, b in plans if n == "W4A4"]
-    result = {"command": "python bench/stack.py " + " ".join(argv or sys.argv[1:]),
+    result = {"command": "python bench/stack.py " + shlex.join(argv or sys.argv[1:]),
               "protocol": {"estimate_windows": 8, "calib_windows": 32, "eval_windows": 16,
                            "window_tokens": 512, "qad_steps": args.steps, "qad_lr": args.lr,
                            "qad_windows": args.qad_windows},
