@@ -6,10 +6,7 @@ Exit codes: see ``EXIT_CODES_HELP``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import math
-import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -26,6 +23,9 @@ from fp4sense.cli.arguments import (
     text_source,
     verify_vllm_args,
 )
+from fp4sense.cli.streams import emit_json as _emit_json
+from fp4sense.cli.streams import settle_interrupt
+from fp4sense.cli.streams import stdout_for_json as _stdout_for_json
 
 EXIT_OK = 0
 EXIT_USER_ERROR = 1  # bad input, named in one line (2 is argparse's usage error)
@@ -42,37 +42,6 @@ EXIT_CODES_HELP = """exit codes:
   5    push: no token, the Hub not reachable, or the upload refused
   130  interrupted (Ctrl-C); no partial output folder is left
 """
-
-
-# With --json, stdout carries the JSON document alone: while a command runs, file
-# descriptor 1 points at stderr (hosts log to stdout: llm-compressor's loguru does), and
-# the document is written to the saved stdout.
-_json_out = None
-
-
-def _emit_json(obj) -> None:
-    stream = _json_out or sys.stdout
-    stream.write(json.dumps(obj, indent=2) + "\n")
-    stream.flush()
-
-
-@contextlib.contextmanager
-def _stdout_for_json(enabled: bool):
-    global _json_out
-    if not enabled:
-        yield
-        return
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    _json_out = os.fdopen(saved, "w")
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        _json_out.close()
-        _json_out = None
 
 
 def _cmd_setup(args: argparse.Namespace) -> int:
@@ -326,7 +295,8 @@ def run_command(action: Callable[[argparse.Namespace], int], args: argparse.Name
     try:
         with _stdout_for_json(bool(getattr(args, "json", False))):
             return int(action(args))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        settle_interrupt(exc)
         print("fp4sense: interrupted; finished analysis entries stay cached, no partial "
               "output folder is left", file=sys.stderr)
         return EXIT_INTERRUPTED

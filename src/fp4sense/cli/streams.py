@@ -1,0 +1,55 @@
+"""The command line's streams: the JSON document on stdout alone (``--json``) and an
+interrupt that stays one line."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import sys
+
+__all__ = ["emit_json", "settle_interrupt", "stdout_for_json"]
+
+# With --json, stdout carries the JSON document alone: while a command runs, file
+# descriptor 1 points at stderr (hosts log to stdout: llm-compressor's loguru does), and
+# the document is written to the saved stdout.
+_json_out = None
+
+
+def emit_json(obj) -> None:
+    stream = _json_out or sys.stdout
+    stream.write(json.dumps(obj, indent=2) + "\n")
+    stream.flush()
+
+
+@contextlib.contextmanager
+def stdout_for_json(enabled: bool):
+    global _json_out
+    if not enabled:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    _json_out = os.fdopen(saved, "w")
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        _json_out.close()
+        _json_out = None
+
+
+def settle_interrupt(exc: BaseException) -> None:
+    """Finalize, quietly, what a Ctrl-C left half-built (e.g. a progress bar interrupted
+    in its constructor, whose finalizer then fails with a traceback after the command's
+    one line): the interrupt's frames are dropped and collected now."""
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda _unraisable: None
+    try:
+        exc.__traceback__ = None
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
