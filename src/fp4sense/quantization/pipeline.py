@@ -159,14 +159,14 @@ def quantize_model(
         report.text["source"] = public_name(report.text.get("source"))
         report.save(work / "sensitivity.json")
         lo, hi = plan_cost(report.units, menu)
-        plan = solve(report, budget_bits=budget_bits, budget_bytes=budget_bytes,
-                     kl_target=kl_target, menu=menu, pins=pins, mode=sensitivity_mode)
+        objective = dict(budget_bits=budget_bits, budget_bytes=budget_bytes,
+                         kl_target=kl_target, menu=menu, pins=pins, mode=sensitivity_mode)
         selection = None
-        if select_plans > 1:
+        if select_plans > 1:  # the predicted optimum is the first of the plans measured
             plan, selection = _select(hf_model, report, calib, estimate_windows, select_plans,
-                                      dict(budget_bits=budget_bits, budget_bytes=budget_bytes,
-                                           kl_target=kl_target, menu=menu, pins=pins,
-                                           mode=sensitivity_mode), log)
+                                      objective, log)
+        else:
+            plan = solve(report, **objective)
         log(f"plan: {plan.schemes()}, {plan.bits:.3f} bits per weight (menu reaches "
             f"{lo:.2f}–{hi:.2f}), predicted KL {plan.predicted_kl:.4f}")
         _check_plan_quantizes(plan, budget_bits, budget_bytes, lo, hi,

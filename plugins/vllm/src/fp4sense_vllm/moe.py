@@ -85,6 +85,17 @@ def _routed(experts, output: torch.Tensor, hidden_states: torch.Tensor,
     output.copy_(out.to(output.dtype))
 
 
+def _dequantized_once(experts, w1: torch.Tensor, w2: torch.Tensor, dequantize
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 [E, 2N, K] and [E, K, N] weights, made once per stored tensor pair:
+    ``dequantize(w, 1 or 2)`` dequantizes one expert stack."""
+    key = (w1.data_ptr(), w2.data_ptr())
+    if getattr(experts, "_dequantized_key", None) != key:
+        experts._dequantized = (dequantize(w1, 1), dequantize(w2, 2))
+        experts._dequantized_key = key
+    return experts._dequantized
+
+
 class CpuNvFp4EmulationExperts(Nvfp4QuantizationEmulationTritonExperts):
     """vLLM's NVFP4 emulation experts, in torch, on the CPU (W4A4)."""
 
@@ -93,19 +104,14 @@ class CpuNvFp4EmulationExperts(Nvfp4QuantizationEmulationTritonExperts):
         return current_platform.is_cpu()
 
     def _weights(self, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Dequantized [E, 2N, K] and [E, K, N] float32 weights (made once)."""
-        key = (w1.data_ptr(), w2.data_ptr())
-        if getattr(self, "_dequantized_key", None) != key:
-            def dequantize(packed, scales, alphas):
-                return torch.stack([dequantize_to_dtype(
-                    packed[e], scales[e], alphas[e], torch.float32, NVFP4_BLOCK,
-                    swizzle=False) for e in range(packed.shape[0])])
+        def dequantize(packed, which):
+            scales = self.w1_scale_val if which == 1 else self.w2_scale_val
+            alphas = self.quant_config.g1_alphas if which == 1 else self.quant_config.g2_alphas
+            return torch.stack([dequantize_to_dtype(
+                packed[e], scales[e], alphas[e], torch.float32, NVFP4_BLOCK, swizzle=False)
+                for e in range(packed.shape[0])])
 
-            self._dequantized = (
-                dequantize(w1, self.w1_scale_val, self.quant_config.g1_alphas),
-                dequantize(w2, self.w2_scale_val, self.quant_config.g2_alphas))
-            self._dequantized_key = key
-        return self._dequantized
+        return _dequantized_once(self, w1, w2, dequantize)
 
     def _qdq(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return moe_kernel_quantize_input(A=x, A_scale=scale, quant_dtype="nvfp4",
@@ -138,7 +144,34 @@ class CpuNvFp4A16EmulationExperts(CpuNvFp4EmulationExperts):
         return x
 
 
-class CpuFp8Experts(TritonExperts):
+class _CpuExperts(TritonExperts):
+    """Experts on the CPU: weights dequantized once (``_dequantize``), the inputs of both
+    matmuls fake-quantized (``_qdq``) from the unquantized activations."""
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return current_platform.is_cpu()
+
+    @property
+    def expects_unquantized_inputs(self) -> bool:
+        return True  # quantized here, as the dense CPU linears do
+
+    def _dequantize(self, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _qdq(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+              global_num_experts, expert_map, a1q_scale, a2_scale, workspace13,
+              workspace2, expert_tokens_meta, apply_router_weight_on_input) -> None:
+        weights = _dequantized_once(self, w1, w2, lambda w, which: self._dequantize(
+            w, self.w1_scale if which == 1 else self.w2_scale))
+        _routed(self, output, hidden_states, weights, topk_weights, topk_ids, activation,
+                expert_map, apply_router_weight_on_input, self._qdq, self._qdq)
+
+
+class CpuFp8Experts(_CpuExperts):
     """FP8 W8A8 experts on the CPU: FP8 weights with per-channel (or per-tensor) scales,
     inputs of both matmuls quantized per token, dynamically, as ``FP8_DYNAMIC`` says."""
 
@@ -147,64 +180,30 @@ class CpuFp8Experts(TritonExperts):
         self._quant_input = QuantFP8(static=False, group_shape=GroupShape.PER_TOKEN)
 
     @staticmethod
-    def _supports_current_device() -> bool:
-        return current_platform.is_cpu()
-
-    @staticmethod
     def _supports_quant_scheme(weight_key, activation_key) -> bool:
         return (weight_key, activation_key) in ((kFp8StaticChannelSym, kFp8DynamicTokenSym),
                                                 (kFp8StaticTensorSym, kFp8DynamicTokenSym))
 
-    @property
-    def expects_unquantized_inputs(self) -> bool:
-        return True  # quantized per token here, as the dense CPU FP8 linear does
-
-    def _weights(self, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Dequantized [E, 2N, K] and [E, K, N] float32 weights (made once)."""
-        key = (w1.data_ptr(), w2.data_ptr())
-        if getattr(self, "_dequantized_key", None) != key:
-            def dequantize(w, scale):
-                return w.float() * scale.float().reshape(w.shape[0], -1, 1)
-
-            self._dequantized = (dequantize(w1, self.w1_scale),
-                                 dequantize(w2, self.w2_scale))
-            self._dequantized_key = key
-        return self._dequantized
+    def _dequantize(self, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return w.float() * scale.float().reshape(w.shape[0], -1, 1)
 
     def _qdq(self, x: torch.Tensor) -> torch.Tensor:
         q, scale = self._quant_input(x)
         return (q.float() * scale).to(x.dtype)
 
-    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
-              global_num_experts, expert_map, a1q_scale, a2_scale, workspace13,
-              workspace2, expert_tokens_meta, apply_router_weight_on_input) -> None:
-        _routed(self, output, hidden_states, self._weights(w1, w2), topk_weights, topk_ids,
-                activation, expert_map, apply_router_weight_on_input, self._qdq, self._qdq)
 
-
-class CpuMxFp4Experts(CpuFp8Experts):
+class CpuMxFp4Experts(_CpuExperts):
     """MXFP4 W4A4 experts on the CPU: E2M1 weights with E8M0 scales per 32, dequantized
     once; the inputs of both matmuls MXFP4-quantized dynamically."""
-
-    def __init__(self, moe_config, quant_config):
-        TritonExperts.__init__(self, moe_config, quant_config)
 
     @staticmethod
     def _supports_quant_scheme(weight_key, activation_key) -> bool:
         return (weight_key, activation_key) == (kMxfp4Static, kMxfp4Dynamic)
 
-    def _weights(self, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        key = (w1.data_ptr(), w2.data_ptr())
-        if getattr(self, "_dequantized_key", None) != key:
-            def dequantize(packed, scales):
-                return torch.stack([fp4.dequantize_codes(
-                    e2m1.unpack_codes(packed[e].view(torch.uint8)), scales[e], "mxfp4")
-                    for e in range(packed.shape[0])])
-
-            self._dequantized = (dequantize(w1, self.w1_scale),
-                                 dequantize(w2, self.w2_scale))
-            self._dequantized_key = key
-        return self._dequantized
+    def _dequantize(self, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return torch.stack([fp4.dequantize_codes(
+            e2m1.unpack_codes(packed[e].view(torch.uint8)), scales[e], "mxfp4")
+            for e in range(packed.shape[0])])
 
     def _qdq(self, x: torch.Tensor) -> torch.Tensor:
         return fp4.quantize_dequantize_activations(x, "mxfp4")
