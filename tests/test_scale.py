@@ -315,6 +315,94 @@ def test_a_rank_that_dies_stops_the_others_in_one_line(tmp_path):
     assert len(lines) == 1 and "another rank stopped before the results met" in lines[0]
 
 
+def _quantize(tiny_llama, text_file, out: Path, ranks: int, env: dict) -> str:
+    from conftest import SMALL
+
+    args = ["quantize", str(tiny_llama), "--budget", "5.5", "--out", str(out), "--text",
+            str(text_file), *SMALL, "--no-eval"]
+    cmd = [FP4SENSE, *args] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+        f"--master-port={_free_port()}", "-m", "fp4sense", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_quantize_under_two_ranks_writes_the_one_rank_checkpoint(tiny_llama, text_file,
+                                                                 tmp_path):
+    """``torchrun --nproc-per-node 2 -m fp4sense quantize`` (gloo): the ranks share the
+    estimate, rank 0 plans, llm-compressor's distributed oneshot calibrates each rank on
+    its own half of the windows and adds their statistics (the searched-scale observer's
+    input sums too), rank 0 writes the folder. The checkpoint is the 1-rank one bit for
+    bit (W4A4 NVFP4 units: input global scales from all windows)."""
+    from safetensors.torch import load_file
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    _quantize(tiny_llama, text_file, tmp_path / "one", 1, env)
+    said = _quantize(tiny_llama, text_file, tmp_path / "two", 2, env)
+    assert [ln for ln in said.splitlines() if ln.startswith("checkpoint")] == [
+        f"checkpoint        {tmp_path / 'two'}"]  # rank 0 alone speaks
+    plans = [json.loads((tmp_path / n / "plan.json").read_text()) for n in ("one", "two")]
+    assert [(c["unit"], c["scheme"]) for c in plans[0]["choices"]] == \
+        [(c["unit"], c["scheme"]) for c in plans[1]["choices"]]
+    schemes = {c["scheme"] for c in plans[0]["choices"]}
+    assert {"NVFP4", "NVFP4_SEARCH"} & schemes  # W4A4 and searched scales are exercised
+    one, two = (load_file(tmp_path / n / "model.safetensors") for n in ("one", "two"))
+    assert one.keys() == two.keys() and any(k.endswith("input_global_scale") for k in one)
+    def bits(t: torch.Tensor) -> torch.Tensor:  # FP8 / packed FP4 compared as bytes
+        return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+    for key in one:
+        assert torch.equal(bits(one[key]), bits(two[key])), key
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]  # nothing else
+
+
+def test_rank_0_failing_on_its_own_stops_the_others_in_one_line(tmp_path):
+    """Work only rank 0 does (planning, the work folder): its error reaches the waiting
+    rank at once as one line naming what rank 0 was doing."""
+    script = tmp_path / "plan.py"
+    script.write_text(textwrap.dedent("""
+        import sys, torch
+        from fp4sense.runtime import distributed
+        distributed.init_from_env(torch.device("cpu"))
+        def plan():
+            raise ValueError("the budget is below the menu")
+        try:
+            distributed.on_main(plan, "planning")
+        except Exception as exc:
+            print(f"fp4sense: error: {exc}", file=sys.stderr)
+            distributed.leave(1)
+            sys.exit(1)
+    """))
+    port = _free_port()
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "FP4SENSE_RANK_TIMEOUT": "30"}
+    procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r),
+                                                                  "LOCAL_RANK": str(r)},
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    errs = [p.communicate(timeout=60)[1] for p in procs]
+    assert [p.returncode for p in procs] == [1, 1]
+    assert errs[0].strip() == "fp4sense: error: the budget is below the menu"
+    assert errs[1].strip() == ("fp4sense: error: rank 1: rank 0 stopped while planning "
+                               "(ValueError: the budget is below the menu)")
+
+
+def test_quantize_refuses_what_ranks_cannot_share_before_loading(tiny_llama, monkeypatch,
+                                                                tmp_path):
+    """Under torchrun (``WORLD_SIZE``), QAD (one trained copy) and fewer calibration
+    windows than ranks are refused before the model loads."""
+    from fp4sense.api import quantize_model
+    from fp4sense.quantization.distill import DistillError, DistillSettings
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(DistillError, match="--distill under torchrun is not built"):
+        quantize_model(tiny_llama, out_dir=tmp_path / "q", budget_bits=5.0,
+                       distill=DistillSettings(steps=2))
+    with pytest.raises(ValueError, match="--calib-windows 1 cannot be shared by 2 ranks"):
+        quantize_model(tiny_llama, out_dir=tmp_path / "q", budget_bits=5.0, calib_windows=1)
+    assert not (tmp_path / "q").exists()
+
+
 def test_quantize_low_memory_plans_what_the_whole_model_plans(quantized, tiny_llama, text_file,
                                                               tmp_path):
     """``quantize --low-memory`` estimates block by block from the model's files: the

@@ -142,6 +142,10 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         progress=not args.json,
         log=(lambda msg: print(msg, file=sys.stderr)) if args.json else print,
     )
+    from fp4sense.runtime import distributed
+
+    if not distributed.is_main():  # rank 0 speaks for a torchrun launch
+        return EXIT_OK
     if args.json:
         _emit_json({"out": str(args.out), "base_ppl": report.base_ppl,
                     "cost": report.cost, "correlations": report.correlations,
@@ -179,6 +183,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         progress=not args.json,
         log=(lambda msg: print(msg, file=sys.stderr)) if args.json else print,
     )
+    if "rank" in result:  # another rank of a torchrun launch: rank 0 speaks for the run
+        return EXIT_OK
     if args.json:
         _emit_json(result)
     else:

@@ -82,7 +82,14 @@ def quantize_model(
     one decoder block at a time to the first accelerator (the CPU when there is none),
     from a model it loads in bfloat16. ``low_memory`` streams the estimate one decoder
     block at a time from the model's own files (:func:`fp4sense.inputs.models.load_model`).
+
+    Under torchrun the ranks share the estimate's windows, rank 0 plans alone, and every
+    rank joins llm-compressor's distributed oneshot on its own share of the calibration
+    windows (statistics and GPTQ Hessians added across ranks); rank 0 evaluates and
+    publishes the folder, the others return ``{"out", "rank"}``. ``distill`` is refused
+    there (QAD trains one copy of the model).
     """
+    import functools
     import shutil
     import tempfile
     import time
@@ -90,10 +97,10 @@ def quantize_model(
     from fp4sense.diagnosis import analyze
     from fp4sense.inputs.assets import default_model_path
     from fp4sense.numerics.schemes import get_scheme
-    from fp4sense.planning.milp import plan_cost, solve
     from fp4sense.publishing.lineage import hub_id_of, public_name, write_local_record
+    from fp4sense.runtime import distributed
     from fp4sense.runtime.devices import resolve
-    from fp4sense.validate import check_output_folder, remove_dead_partials, write_owner
+    from fp4sense.validate import check_output_folder
 
     out = Path(out_dir)
     # the user's model is never the output, nor inside it, nor holding it
@@ -110,6 +117,7 @@ def quantize_model(
         raise ValueError(f"select_plans must be at least 1, got {select_plans}")
     if sum(x is not None for x in (budget_bits, budget_bytes, kl_target)) != 1:
         raise ValueError("give exactly one of --budget, --budget-bytes, --kl-target")
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before joining the group
     if distill is not None:
         from fp4sense.quantization.distill import DistillError
 
@@ -117,8 +125,17 @@ def quantize_model(
         if low_memory:
             raise DistillError("--distill trains the whole model in memory; drop "
                                "--low-memory (block-wise distillation is not built)")
+        if ranks > 1:
+            raise DistillError("--distill under torchrun is not built (QAD trains one copy "
+                               "of the model); run quantize --distill as one process")
+    if calib_windows < ranks:
+        raise ValueError(f"--calib-windows {calib_windows} cannot be shared by {ranks} ranks "
+                         f"(each calibrates on its own windows); give at least {ranks}")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
+    distributed.init_from_env(placement.device, distributed.QUANTIZE_TIMEOUT_S)
+    if not distributed.is_main():  # rank 0 speaks for the run and writes the folder
+        log, progress = (lambda message: None), False
 
     hf_model, tokenizer, notes = load_model(model, placement.dtype, placement.device,
                                             low_memory=low_memory)
@@ -126,27 +143,11 @@ def quantize_model(
     stored_expert_names(hf_model, source)  # MoE: experts under unpairable names stop here
     hub_id = hub_id_of(source, base_model_id)
     calib = analysis_windows(tokenizer, text, calib_windows, window_tokens)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for note in remove_dead_partials(out.parent, out.name):
-        log(f"note: {note}")
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    work.chmod(0o777 & ~umask)  # a normal folder once published, not mkdtemp's 0700
+    work = distributed.on_main(lambda: _work_folder(out, log), "creating the work folder")
+    work = Path(distributed.share(str(work)))
     try:
-        write_owner(work)  # a later run may remove this folder once this process is gone
-        if sensitivity is not None:
-            from fp4sense.diagnosis import SensitivityReport
-            from fp4sense.diagnosis.units import model_fingerprint
-
-            report = SensitivityReport.load(sensitivity, model_fingerprint(hf_model))
-            unscored = [s for s in menu if get_scheme(s).scale_search
-                        and s not in report.schemes]
-            if scale_search and unscored:  # twins the saved report did not score
-                log(f"note: {sensitivity} does not score {', '.join(unscored)}; planning "
-                    "without them (analyze with them in --schemes to use searched scales)")
-                menu = [s for s in menu if s not in unscored]
-        else:
+        report = None
+        if sensitivity is None:  # the ranks share the estimate's windows
             t = time.perf_counter()
             quantized = [s for s in menu if get_scheme(s).quantizes]
             report = analyze(hf_model, calib[:estimate_windows], schemes=quantized,
@@ -154,31 +155,20 @@ def quantize_model(
                              text={"source": text_name(text)},
                              progress=progress, log=log)
             timings["sensitivity_s"] = time.perf_counter() - t
-        # shared files name the base and the text, not their paths here
-        report.model = public_name(report.model, hub_id)
-        report.text["source"] = public_name(report.text.get("source"))
-        report.save(work / "sensitivity.json")
-        lo, hi = plan_cost(report.units, menu)
-        objective = dict(budget_bits=budget_bits, budget_bytes=budget_bytes,
-                         kl_target=kl_target, menu=menu, pins=pins, mode=sensitivity_mode)
-        selection = None
-        if select_plans > 1:  # the predicted optimum is the first of the plans measured
-            plan, selection = _select(hf_model, report, calib, estimate_windows, select_plans,
-                                      objective, log)
-        else:
-            plan = solve(report, **objective)
-        log(f"plan: {plan.schemes()}, {plan.bits:.3f} bits per weight (menu reaches "
-            f"{lo:.2f}–{hi:.2f}), predicted KL {plan.predicted_kl:.4f}")
-        _check_plan_quantizes(plan, budget_bits, budget_bytes, lo, hi,
-                              sum(u.numel for u in report.units.units), log)
-
+        planned = distributed.on_main(functools.partial(
+            _plan, hf_model, report, sensitivity, menu, scale_search, calib, estimate_windows,
+            select_plans, dict(budget_bits=budget_bits, budget_bytes=budget_bytes,
+                               kl_target=kl_target, pins=pins, mode=sensitivity_mode),
+            hub_id, text, work, log), "planning")
         del hf_model
 
-        plan.save(work / "plan.json")  # solved once: the modifier applies this file
-        t = time.perf_counter()
+        t = time.perf_counter()  # every rank: llm-compressor's oneshot splits the data
         recipe = _oneshot_plan(source, calib, work, plan="plan.json", gptq=gptq,
                                distill=distill, state_dir=_state_dir(out))
         timings["oneshot_s"] = time.perf_counter() - t
+        if not distributed.is_main():
+            return {"out": str(out), "rank": distributed.rank()}
+        plan, selection = planned
         if distill is not None:
             _record_training(plan, work, text)
         tokenizer.save_pretrained(work)
@@ -218,10 +208,71 @@ def quantize_model(
         else:
             work.rename(out)
     except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
+        if distributed.is_main():
+            shutil.rmtree(work, ignore_errors=True)
         raise
     result["out"] = str(out)
     return result
+
+
+def _work_folder(out: Path, log: Callable[[str], None]) -> Path:
+    """A new work folder beside ``out`` (published by one rename at the end), marked with
+    its writer; partial folders of provably dead runs are removed first."""
+    import tempfile
+
+    from fp4sense.validate import remove_dead_partials, write_owner
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for note in remove_dead_partials(out.parent, out.name):
+        log(f"note: {note}")
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        work.chmod(0o777 & ~umask)  # a normal folder once published, not mkdtemp's 0700
+        write_owner(work)  # a later run may remove this folder once this process is gone
+    except BaseException:
+        work.rmdir() if not any(work.iterdir()) else None
+        raise
+    return work
+
+
+def _plan(model, report, sensitivity, menu, scale_search: bool, calib, estimate_windows: int,
+          select_plans: int, objective: dict, hub_id, text, work: Path, log):
+    """Rank 0's part: the report (given or estimated) saved without local paths, the plan
+    solved once (or selected among the best measured) and saved for the modifier."""
+    from fp4sense.numerics.schemes import get_scheme
+    from fp4sense.planning.milp import plan_cost, solve
+    from fp4sense.publishing.lineage import public_name
+
+    if sensitivity is not None:
+        from fp4sense.diagnosis import SensitivityReport
+        from fp4sense.diagnosis.units import model_fingerprint
+
+        report = SensitivityReport.load(sensitivity, model_fingerprint(model))
+        unscored = [s for s in menu if get_scheme(s).scale_search and s not in report.schemes]
+        if scale_search and unscored:  # twins the saved report did not score
+            log(f"note: {sensitivity} does not score {', '.join(unscored)}; planning "
+                "without them (analyze with them in --schemes to use searched scales)")
+            menu = [s for s in menu if s not in unscored]
+    # shared files name the base and the text, not their paths here
+    report.model = public_name(report.model, hub_id)
+    report.text["source"] = public_name(report.text.get("source"))
+    report.save(work / "sensitivity.json")
+    lo, hi = plan_cost(report.units, menu)
+    objective = {**objective, "menu": menu}
+    selection = None
+    if select_plans > 1:  # the predicted optimum is the first of the plans measured
+        plan, selection = _select(model, report, calib, estimate_windows, select_plans,
+                                  objective, log)
+    else:
+        plan = solve(report, **objective)
+    log(f"plan: {plan.schemes()}, {plan.bits:.3f} bits per weight (menu reaches "
+        f"{lo:.2f}–{hi:.2f}), predicted KL {plan.predicted_kl:.4f}")
+    _check_plan_quantizes(plan, objective["budget_bits"], objective["budget_bytes"], lo, hi,
+                          sum(u.numel for u in report.units.units), log)
+    plan.save(work / "plan.json")  # solved once: the modifier applies this file
+    return plan, selection
 
 
 def _check_plan_quantizes(plan, budget_bits: float | None, budget_bytes: int | None,

@@ -11,18 +11,21 @@ most :data:`COLLECTIVE_TIMEOUT_S` before it fails with one line.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TypeVar
 
 import torch
 
-__all__ = ["COLLECTIVE_TIMEOUT_S", "RankError", "gather", "init_from_env", "is_main", "leave",
-           "rank", "shard", "unshard", "world_size"]
+__all__ = ["COLLECTIVE_TIMEOUT_S", "QUANTIZE_TIMEOUT_S", "RankError", "gather", "init_from_env",
+           "is_main", "leave", "on_main", "rank", "shard", "share", "unshard", "world_size"]
 
 T = TypeVar("T")
 #: How long a rank waits for the others at a collective (a dead peer ends the run then).
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("FP4SENSE_RANK_TIMEOUT", "60"))
+#: The same for ``quantize``, whose ranks wait while rank 0 plans and while llm-compressor
+#: balances uneven per-layer work (GPTQ, weight observers) across them.
+QUANTIZE_TIMEOUT_S = float(os.environ.get("FP4SENSE_RANK_TIMEOUT", "3600"))
 
 
 class RankError(RuntimeError):
@@ -30,9 +33,10 @@ class RankError(RuntimeError):
     rank's finished entries is lost (they are in the analysis cache)."""
 
 
-def init_from_env(device: torch.device) -> bool:
+def init_from_env(device: torch.device, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> bool:
     """Join the process group torchrun describes (``WORLD_SIZE`` > 1); True when this
-    process is one of several ranks."""
+    process is one of several ranks. On GPUs each rank works on its own (``LOCAL_RANK``),
+    which is also where llm-compressor's distributed oneshot puts its work."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -40,7 +44,10 @@ def init_from_env(device: torch.device) -> bool:
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    if backend == "nccl":
+        index = torch.device(device).index
+        torch.cuda.set_device(index if index is not None else int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return dist.get_world_size() > 1
 
 
@@ -107,6 +114,32 @@ def gather(obj: T) -> list[T]:
                         f"met ({first[:160]}); finished entries stay in the analysis "
                         "cache, run again to resume") from None
     return out
+
+
+def share(obj: T) -> T:
+    """Rank 0's ``obj`` on every rank (``obj`` itself outside torchrun); the other ranks
+    pass anything (None)."""
+    return gather(obj)[0]
+
+
+def on_main(work: Callable[[], T], what: str) -> T | None:
+    """Run ``work`` on rank 0 alone (everywhere outside torchrun) and return its result
+    there (None on the other ranks). An error on rank 0 stops the others at once with one
+    line naming ``what`` rank 0 was doing, instead of leaving them waiting."""
+    if not _active():
+        return work()
+    result, error = None, None
+    if is_main():
+        try:
+            result = work()
+        except BaseException as exc:  # noqa: BLE001 (re-raised below, after telling)
+            error = exc
+    failed = share(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if failed is not None:
+        raise RankError(f"rank {rank()}: rank 0 stopped while {what} ({failed[:200]})")
+    return result
 
 
 def unshard(parts: Sequence[Sequence[T]], n: int) -> list[T]:
