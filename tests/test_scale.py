@@ -319,7 +319,7 @@ def _quantize(tiny_llama, text_file, out: Path, ranks: int, env: dict) -> str:
     from conftest import SMALL
 
     args = ["quantize", str(tiny_llama), "--budget", "5.5", "--out", str(out), "--text",
-            str(text_file), *SMALL, "--no-eval"]
+            str(text_file), *SMALL, "--no-eval", "--no-scale-search"]
     cmd = [FP4SENSE, *args] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
         f"--master-port={_free_port()}", "-m", "fp4sense", *args]
@@ -331,10 +331,11 @@ def _quantize(tiny_llama, text_file, out: Path, ranks: int, env: dict) -> str:
 def test_quantize_under_two_ranks_writes_the_one_rank_checkpoint(tiny_llama, text_file,
                                                                  tmp_path):
     """``torchrun --nproc-per-node 2 -m fp4sense quantize`` (gloo): the ranks share the
-    estimate, rank 0 plans, llm-compressor's distributed oneshot calibrates each rank on
-    its own half of the windows and adds their statistics (the searched-scale observer's
-    input sums too), rank 0 writes the folder. The checkpoint is the 1-rank one bit for
-    bit (W4A4 NVFP4 units: input global scales from all windows)."""
+    estimate, rank 0 plans, then goes on alone (oneshot, folder); the other rank ends
+    quietly. Same plan and the 1-rank checkpoint bit for bit (W4A4 NVFP4 units: input
+    global scales from every calibration window). Without searched scales: their
+    importance sums follow llm-compressor's unseeded calibration order, so they may
+    differ in the last bit between any two runs."""
     from safetensors.torch import load_file
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -345,8 +346,7 @@ def test_quantize_under_two_ranks_writes_the_one_rank_checkpoint(tiny_llama, tex
     plans = [json.loads((tmp_path / n / "plan.json").read_text()) for n in ("one", "two")]
     assert [(c["unit"], c["scheme"]) for c in plans[0]["choices"]] == \
         [(c["unit"], c["scheme"]) for c in plans[1]["choices"]]
-    schemes = {c["scheme"] for c in plans[0]["choices"]}
-    assert {"NVFP4", "NVFP4_SEARCH"} & schemes  # W4A4 and searched scales are exercised
+    assert "NVFP4" in {c["scheme"] for c in plans[0]["choices"]}  # W4A4 is exercised
     one, two = (load_file(tmp_path / n / "model.safetensors") for n in ("one", "two"))
     assert one.keys() == two.keys() and any(k.endswith("input_global_scale") for k in one)
     def bits(t: torch.Tensor) -> torch.Tensor:  # FP8 / packed FP4 compared as bytes
@@ -385,22 +385,6 @@ def test_rank_0_failing_on_its_own_stops_the_others_in_one_line(tmp_path):
     assert errs[0].strip() == "fp4sense: error: the budget is below the menu"
     assert errs[1].strip() == ("fp4sense: error: rank 1: rank 0 stopped while planning "
                                "(ValueError: the budget is below the menu)")
-
-
-def test_quantize_refuses_what_ranks_cannot_share_before_loading(tiny_llama, monkeypatch,
-                                                                tmp_path):
-    """Under torchrun (``WORLD_SIZE``), QAD (one trained copy) and fewer calibration
-    windows than ranks are refused before the model loads."""
-    from fp4sense.api import quantize_model
-    from fp4sense.quantization.distill import DistillError, DistillSettings
-
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(DistillError, match="--distill under torchrun is not built"):
-        quantize_model(tiny_llama, out_dir=tmp_path / "q", budget_bits=5.0,
-                       distill=DistillSettings(steps=2))
-    with pytest.raises(ValueError, match="--calib-windows 1 cannot be shared by 2 ranks"):
-        quantize_model(tiny_llama, out_dir=tmp_path / "q", budget_bits=5.0, calib_windows=1)
-    assert not (tmp_path / "q").exists()
 
 
 def test_quantize_low_memory_plans_what_the_whole_model_plans(quantized, tiny_llama, text_file,

@@ -83,11 +83,14 @@ def quantize_model(
     from a model it loads in bfloat16. ``low_memory`` streams the estimate one decoder
     block at a time from the model's own files (:func:`fp4sense.inputs.models.load_model`).
 
-    Under torchrun the ranks share the estimate's windows, rank 0 plans alone, and every
-    rank joins llm-compressor's distributed oneshot on its own share of the calibration
-    windows (statistics and GPTQ Hessians added across ranks); rank 0 evaluates and
-    publishes the folder, the others return ``{"out", "rank"}``. ``distill`` is refused
-    there (QAD trains one copy of the model).
+    Under torchrun the ranks share the estimate's windows and rank 0 plans; then the
+    ranks disband and rank 0 alone runs the oneshot, evaluates and publishes (the others
+    return ``{"out", "rank"}``). llm-compressor 0.14's distributed oneshot is not used:
+    on CPUs it skips its broadcast of quantization parameters for modules in memory
+    shared by the ranks without waiting for the rank that computes them (2-rank runs on
+    a loaded CPU wrote corrupted tensors here, e.g. saturated FP8 weights), and no
+    machine with several GPUs was available to prove its GPU path. ``distill`` trains on
+    rank 0.
     """
     import functools
     import shutil
@@ -117,7 +120,6 @@ def quantize_model(
         raise ValueError(f"select_plans must be at least 1, got {select_plans}")
     if sum(x is not None for x in (budget_bits, budget_bytes, kl_target)) != 1:
         raise ValueError("give exactly one of --budget, --budget-bytes, --kl-target")
-    ranks = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before joining the group
     if distill is not None:
         from fp4sense.quantization.distill import DistillError
 
@@ -125,12 +127,6 @@ def quantize_model(
         if low_memory:
             raise DistillError("--distill trains the whole model in memory; drop "
                                "--low-memory (block-wise distillation is not built)")
-        if ranks > 1:
-            raise DistillError("--distill under torchrun is not built (QAD trains one copy "
-                               "of the model); run quantize --distill as one process")
-    if calib_windows < ranks:
-        raise ValueError(f"--calib-windows {calib_windows} cannot be shared by {ranks} ranks "
-                         f"(each calibrates on its own windows); give at least {ranks}")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     distributed.init_from_env(placement.device, distributed.QUANTIZE_TIMEOUT_S)
@@ -161,14 +157,16 @@ def quantize_model(
                                kl_target=kl_target, pins=pins, mode=sensitivity_mode),
             hub_id, text, work, log), "planning")
         del hf_model
+        main, rank = distributed.is_main(), distributed.rank()
+        distributed.disband()  # the shared work is done: rank 0 goes on alone
+        if not main:
+            return {"out": str(out), "rank": rank}
+        plan, selection = planned
 
-        t = time.perf_counter()  # every rank: llm-compressor's oneshot splits the data
+        t = time.perf_counter()
         recipe = _oneshot_plan(source, calib, work, plan="plan.json", gptq=gptq,
                                distill=distill, state_dir=_state_dir(out))
         timings["oneshot_s"] = time.perf_counter() - t
-        if not distributed.is_main():
-            return {"out": str(out), "rank": distributed.rank()}
-        plan, selection = planned
         if distill is not None:
             _record_training(plan, work, text)
         tokenizer.save_pretrained(work)
@@ -208,7 +206,7 @@ def quantize_model(
         else:
             work.rename(out)
     except BaseException:
-        if distributed.is_main():
+        if distributed.is_main():  # (after disband, only rank 0 is still here)
             shutil.rmtree(work, ignore_errors=True)
         raise
     result["out"] = str(out)

@@ -17,14 +17,15 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["COLLECTIVE_TIMEOUT_S", "QUANTIZE_TIMEOUT_S", "RankError", "gather", "init_from_env",
-           "is_main", "leave", "on_main", "rank", "shard", "share", "unshard", "world_size"]
+__all__ = ["COLLECTIVE_TIMEOUT_S", "QUANTIZE_TIMEOUT_S", "RankError", "disband", "gather",
+           "init_from_env", "is_main", "leave", "on_main", "rank", "shard", "share", "unshard",
+           "world_size"]
 
 T = TypeVar("T")
 #: How long a rank waits for the others at a collective (a dead peer ends the run then).
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("FP4SENSE_RANK_TIMEOUT", "60"))
-#: The same for ``quantize``, whose ranks wait while rank 0 plans and while llm-compressor
-#: balances uneven per-layer work (GPTQ, weight observers) across them.
+#: The same for ``quantize``, whose ranks wait while rank 0 plans (``--select-plans``
+#: measures plans there).
 QUANTIZE_TIMEOUT_S = float(os.environ.get("FP4SENSE_RANK_TIMEOUT", "3600"))
 
 
@@ -35,8 +36,7 @@ class RankError(RuntimeError):
 
 def init_from_env(device: torch.device, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> bool:
     """Join the process group torchrun describes (``WORLD_SIZE`` > 1); True when this
-    process is one of several ranks. On GPUs each rank works on its own (``LOCAL_RANK``),
-    which is also where llm-compressor's distributed oneshot puts its work."""
+    process is one of several ranks. On GPUs each rank works on its own (``LOCAL_RANK``)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -66,6 +66,15 @@ def leave(code: int = 0) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def disband() -> None:
+    """Leave the process group once the ranks' shared work is done (every rank calls it
+    after the last collective); the process goes on alone, as outside torchrun."""
+    import torch.distributed as dist
+
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -4,12 +4,6 @@ The core finds this function through the ``fp4sense.quantizers`` entry point (na
 ``llmcompressor``), so it never imports llm-compressor itself. The plan is solved once,
 by the core; this step only applies it (``SensitivityGuidedModifier(plan=...)``), and
 returns the recipe that reproduces the checkpoint from its own folder.
-
-Under torchrun every rank calls it: llm-compressor's distributed oneshot adds the ranks'
-observer statistics and GPTQ Hessians, and saves from rank 0. Each rank is given its own
-share of the calibration windows, as llm-compressor's distributed examples do (0.14 also
-splits one dataset given to every rank, but its sampler's indices then address the whole
-dataset: every rank would calibrate on the first share).
 """
 
 from __future__ import annotations
@@ -59,7 +53,6 @@ def quantize_with_plan(source: str, calib: torch.Tensor, work: Path, *, plan: st
         stage["QuantizationAwareDistillationModifier"] = dict(distill)
     # bf16 as llm-compressor loads models (the NVFP4 global scale comes from a bf16 amax)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
-    calib = _rank_share(calib)
     data = Dataset.from_dict({"input_ids": calib.tolist(),
                               "attention_mask": torch.ones_like(calib).tolist()})
     oneshot(model=model, recipe=recipe, dataset=data, num_calibration_samples=len(calib),
@@ -68,13 +61,3 @@ def quantize_with_plan(source: str, calib: torch.Tensor, work: Path, *, plan: st
     if trainer is not None:
         (work / "distill.json").write_text(json.dumps(trainer.record, indent=1))
     return yaml.safe_dump({"quant_stage": {"quant_modifiers": stage}}, sort_keys=False)
-
-
-def _rank_share(calib: torch.Tensor) -> torch.Tensor:
-    """This rank's contiguous share of the windows (all of them outside torchrun)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return calib
-    rank, world = dist.get_rank(), dist.get_world_size()
-    return calib[len(calib) * rank // world:len(calib) * (rank + 1) // world]

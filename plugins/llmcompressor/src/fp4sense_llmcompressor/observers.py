@@ -4,9 +4,7 @@ It computes the NVFP4 global scale exactly as llm-compressor's min-max observer 
 (shared across fused q/k/v and gate/up), then chooses each block scale with
 :func:`fp4sense.numerics.scale_search.search_block_scales`, weighting the error by the layer's
 calibration inputs (E[x^2] per input channel, gathered by a forward pre-hook) when a
-calibration dataset is given, and by plain weight MSE otherwise. Under torchrun the
-inputs' sums are added across ranks before the search (llm-compressor's activation-statistics
-sync, as its imatrix observer does), so every rank searches with all the data.
+calibration dataset is given, and by plain weight MSE otherwise.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from compressed_tensors.quantization import QuantizationStrategy
 from compressed_tensors.quantization.utils import calculate_qparams
 from llmcompressor.modifiers.utils.hooks import HooksMixin
@@ -38,7 +35,6 @@ class ScaleSearchObserver(MemorylessMinMaxObserver):
     """
 
     _stats_attrs = ["min_vals", "max_vals", "observed"]
-    _act_sync_dict = {"_sq_sum": dist.ReduceOp.SUM, "_count": dist.ReduceOp.SUM}
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -47,7 +43,7 @@ class ScaleSearchObserver(MemorylessMinMaxObserver):
         self.steps = tuple(steps) if steps is not None else None
         self.use_activations = bool(kw.get("use_activations", True))
         self._sq_sum: torch.Tensor | None = None
-        self._count = torch.zeros((), dtype=torch.int64)
+        self._count = 0
         self._hook = None
         if self.args.num_bits != 4 or self.args.group_size not in (16, 32):
             raise ValueError(
@@ -75,7 +71,7 @@ class ScaleSearchObserver(MemorylessMinMaxObserver):
             x = x.detach().to(torch.float32)
             sq = x.square().sum(dim=tuple(range(x.dim() - 1)))
             self._sq_sum = sq if self._sq_sum is None else self._sq_sum + sq.to(self._sq_sum)
-            self._count = self._count.to(sq.device) + math.prod(x.shape[:-1])
+            self._count += math.prod(x.shape[:-1])
 
         self._hook = module.register_forward_pre_hook(hook)
 
@@ -89,7 +85,7 @@ class ScaleSearchObserver(MemorylessMinMaxObserver):
         self.observed = observed
 
     def _importance(self) -> torch.Tensor | None:
-        if self._sq_sum is None or int(self._count) == 0:
+        if self._sq_sum is None or self._count == 0:
             return None
         imp = self._sq_sum / self._count
         if not bool(torch.isfinite(imp).all()) or bool((imp <= 0).all()):
