@@ -245,6 +245,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _two_ranks(script: Path, timeout_s: int) -> list[subprocess.Popen]:
+    """``script`` started as ranks 0 and 1 of one gloo group (stderr piped)."""
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "FP4SENSE_RANK_TIMEOUT": str(timeout_s)}
+    return [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r),
+                                                                 "LOCAL_RANK": str(r)},
+                             stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+
+
 def _analyze(tiny_llama, text_file, out: Path, ranks: int, env: dict, extra=()):
     args = ["analyze", str(tiny_llama), "--text", str(text_file), "--windows", "4",
             "--tokens", "64", "--mode", "both", "--views", "component,block,grid",
@@ -301,12 +310,7 @@ def test_a_rank_that_dies_stops_the_others_in_one_line(tmp_path):
             distributed.leave(1)  # how the CLI ends after it
         sys.exit(0)
     """))
-    port = _free_port()
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "FP4SENSE_RANK_TIMEOUT": "20"}
-    procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r),
-                                                                  "LOCAL_RANK": str(r)},
-                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    procs = _two_ranks(script, timeout_s=20)
     err0 = procs[0].communicate(timeout=60)[1]
     procs[1].wait(timeout=60)
     assert procs[1].returncode == 3
@@ -374,12 +378,7 @@ def test_rank_0_failing_on_its_own_stops_the_others_in_one_line(tmp_path):
             distributed.leave(1)
             sys.exit(1)
     """))
-    port = _free_port()
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "FP4SENSE_RANK_TIMEOUT": "30"}
-    procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r),
-                                                                  "LOCAL_RANK": str(r)},
-                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    procs = _two_ranks(script, timeout_s=30)
     errs = [p.communicate(timeout=60)[1] for p in procs]
     assert [p.returncode for p in procs] == [1, 1]
     assert errs[0].strip() == "fp4sense: error: the budget is below the menu"
