@@ -18,10 +18,8 @@ from families import FAMILIES, make_family_model
 _CHECKPOINTS: dict[str, tuple[Path, dict]] = {}
 
 
-@pytest.fixture
-def family_checkpoint(request, tmp_path_factory, assets, text_file) -> tuple[Path, dict]:
-    """(checkpoint folder, quantize's JSON result) for the family in request.param."""
-    family = request.param
+def _family_checkpoint(family: str, tmp_path_factory, assets, text_file) -> tuple[Path, dict]:
+    """(checkpoint folder, quantize's JSON result) for ``family``, made once per session."""
     if family not in _CHECKPOINTS:
         root = tmp_path_factory.mktemp(family)
         base = make_family_model(family, root / f"tiny-{family}", assets["model"])
@@ -32,6 +30,26 @@ def family_checkpoint(request, tmp_path_factory, assets, text_file) -> tuple[Pat
         assert proc.returncode == 0, proc.stderr[-3000:]
         _CHECKPOINTS[family] = (out, json.loads(proc.stdout))
     return _CHECKPOINTS[family]
+
+
+@pytest.fixture
+def family_checkpoint(request, tmp_path_factory, assets, text_file) -> tuple[Path, dict]:
+    """(checkpoint folder, quantize's JSON result) for the family in request.param."""
+    return _family_checkpoint(request.param, tmp_path_factory, assets, text_file)
+
+
+@pytest.fixture(scope="module")
+def served_families(tmp_path_factory, assets, text_file, serve_python) -> dict:
+    """Every family's checkpoint through one ``fp4sense verify-vllm A B C ...`` (one vLLM
+    process, an engine per checkpoint): the exit code, stderr and each family's result."""
+    outs = {f: _family_checkpoint(f, tmp_path_factory, assets, text_file)[0]
+            for f in sorted(FAMILIES)}
+    proc = subprocess.run([FP4SENSE, "verify-vllm", *map(str, outs.values()), "--windows",
+                           "1", "--tokens", "128", "--serve-python", str(serve_python),
+                           "--json"], capture_output=True, text=True)
+    results = json.loads(proc.stdout) if proc.stdout.strip() else []
+    return {"rc": proc.returncode, "stderr": proc.stderr[-2000:],
+            "by_family": dict(zip(outs, results, strict=False))}
 
 
 @pytest.mark.slow
@@ -54,14 +72,22 @@ def test_quantize_and_eval(family_checkpoint, text_file):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("family_checkpoint", sorted(FAMILIES), indirect=True)
-def test_verify_vllm(family_checkpoint, serve_python):
-    out, _ = family_checkpoint
-    proc = subprocess.run([FP4SENSE, "verify-vllm", str(out), "--windows", "1", "--tokens",
-                           "128", "--serve-python", str(serve_python), "--json"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
-    assert json.loads(proc.stdout)["passed"], proc.stdout
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_verify_vllm(family, served_families):
+    result = served_families["by_family"].get(family)
+    assert result is not None, served_families["stderr"]
+    assert result["checkpoint"].endswith(f"tiny-{family}-fp4")
+    assert result["passed"], result
+    assert result["tokens"] == 127
+
+
+def test_verify_vllm_exits_0_when_every_checkpoint_passes(served_families):
+    """The several-checkpoint call's exit code and JSON list (one entry per folder)."""
+    assert len(served_families["by_family"]) == len(FAMILIES), served_families["stderr"]
+    from fp4sense.cli import EXIT_OK, EXIT_VERIFY_FAILED
+
+    passed = all(r["passed"] for r in served_families["by_family"].values())
+    assert served_families["rc"] == (EXIT_OK if passed else EXIT_VERIFY_FAILED)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])

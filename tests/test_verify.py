@@ -116,22 +116,35 @@ def _make_checkpoint(tiny_llama: Path, scheme: str, out: Path) -> Path:
     return out
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.parametrize("scheme", ["NVFP4", "NVFP4A16", "MXFP4", "MXFP4A16", "FP8_DYNAMIC",
-                                    "MIXED"])
-def test_checkpoint_passes_verify_vllm(scheme, tiny_llama, tmp_path, serve_python, assets):
+FORMATS = ["NVFP4", "NVFP4A16", "MXFP4", "MXFP4A16", "FP8_DYNAMIC", "MIXED"]
+
+
+@pytest.fixture(scope="module")
+def served_formats(tiny_llama, tmp_path_factory, serve_python, assets) -> dict:
+    """A checkpoint per format, all verified with one vLLM process (verify_vllm_many)."""
     from transformers import AutoTokenizer
 
-    from fp4sense.evaluation.vllm_check import verify_vllm
+    from fp4sense.evaluation.vllm_check import verify_vllm_many
     from fp4sense.inputs.texts import protocol_windows
 
-    ck = _make_checkpoint(tiny_llama, scheme, tmp_path / scheme)
+    root = tmp_path_factory.mktemp("formats")
+    cks = {s: _make_checkpoint(tiny_llama, s, root / s) for s in FORMATS}
+    windows = [protocol_windows(AutoTokenizer.from_pretrained(ck), "evaluation", 1)[:, :128]
+               for ck in cks.values()]
+    results = verify_vllm_many(list(cks.values()), windows, serve_python=serve_python,
+                               timeout_s=600)
+    return {s: (cks[s], r) for s, r in zip(cks, results, strict=True)}
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", FORMATS)
+def test_checkpoint_passes_verify_vllm(scheme, served_formats):
+    ck, result = served_formats[scheme]
     qcfg = json.loads((ck / "config.json").read_text())["quantization_config"]
     if scheme == "MIXED":
         assert qcfg["format"] == "mixed-precision" and len(qcfg["config_groups"]) == 2
-    windows = protocol_windows(AutoTokenizer.from_pretrained(ck), "evaluation", 1)[:, :128]
-    result = verify_vllm(ck, windows, serve_python=serve_python, timeout_s=600)
+    assert result.checkpoint == str(ck)
     assert result.passed, result.to_dict()
     assert result.tokens == 127
     if scheme == "MXFP4A16":

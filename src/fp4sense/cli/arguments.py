@@ -171,7 +171,9 @@ def eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def verify_vllm_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", type=Path, help="compressed-tensors checkpoint folder")
+    p.add_argument("checkpoint", type=Path, nargs="+",
+                   help="compressed-tensors checkpoint folder(s); several share one vLLM "
+                        "process")
     _add_text(p, "evaluation text file (default: protocol evaluation split)")
     _add_windows(p, 2, "evaluation windows to score; tokens <= 512")
     p.add_argument("--prompt", default="The President of the United States said that")

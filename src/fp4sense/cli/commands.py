@@ -92,23 +92,27 @@ def _cmd_schemes(args: argparse.Namespace) -> int:
 
 def _cmd_verify_vllm(args: argparse.Namespace) -> int:
     from fp4sense.checkpoint.checks import check_checkpoint, checkpoint_tokenizer
-    from fp4sense.evaluation.vllm_check import Tolerance, verify_vllm
+    from fp4sense.evaluation.vllm_check import Tolerance, verify_vllm_many
     from fp4sense.inputs.texts import protocol_windows
 
-    check_checkpoint(args.checkpoint)  # before the tokenizer: a missing folder is one line
-    tokenizer = checkpoint_tokenizer(args.checkpoint)
-    windows = protocol_windows(tokenizer, "evaluation", args.windows, source=text_source(args))
-    windows = windows[:, : args.tokens]
+    windows = []
+    for folder in args.checkpoint:
+        check_checkpoint(folder)  # before the tokenizer: a missing folder is one line
+        w = protocol_windows(checkpoint_tokenizer(folder), "evaluation", args.windows,
+                             source=text_source(args))
+        windows.append(w[:, : args.tokens])
     limits = (args.max_abs, args.mean_abs, args.ppl_rel)
     tolerance = None if all(v is None for v in limits) else Tolerance(
         *(math.inf if v is None else v for v in limits))
-    result = verify_vllm(
-        args.checkpoint, windows, prompt=args.prompt, serve_python=args.serve_python,
-        tolerance=tolerance, timeout_s=args.timeout,
-    )
-    if args.json:
-        _emit_json(result.to_dict())
-    else:
+    results = verify_vllm_many(args.checkpoint, windows, prompt=args.prompt,
+                               serve_python=args.serve_python, tolerance=tolerance,
+                               timeout_s=args.timeout)
+    if args.json:  # one checkpoint: its object; several: a list of them
+        dicts = [r.to_dict() for r in results]
+        _emit_json(dicts[0] if len(dicts) == 1 else dicts)
+    for i, result in enumerate(results if not args.json else []):
+        if i:
+            print()
         print(f"checkpoint        {result.checkpoint}")
         print(f"tokens compared   {result.tokens}")
         tol = result.tolerance
@@ -120,7 +124,7 @@ def _cmd_verify_vllm(args: argparse.Namespace) -> int:
         for note in result.notes:
             print(f"note              {note}")
         print("PASS" if result.passed else "FAIL: vLLM and transformers differ beyond tolerance")
-    return EXIT_OK if result.passed else EXIT_VERIFY_FAILED
+    return EXIT_OK if all(r.passed for r in results) else EXIT_VERIFY_FAILED
 
 
 def _csv(value: str) -> list[str]:

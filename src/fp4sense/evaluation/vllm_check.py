@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -41,7 +42,9 @@ __all__ = [
     "find_serve_python",
     "reference_logprobs",
     "run_vllm",
+    "run_vllm_many",
     "verify_vllm",
+    "verify_vllm_many",
 ]
 
 SERVE_PYTHON_ENV = "FP4SENSE_SERVE_PYTHON"
@@ -132,28 +135,40 @@ def reference_logprobs(folder: str | os.PathLike, windows: torch.Tensor,
 def run_vllm(folder: Path, windows: torch.Tensor, prompt: str, serve_python: Path,
              timeout_s: float, max_tokens: int = 16) -> dict:
     """Score ``windows`` (and complete ``prompt``) with vLLM in the serve environment."""
+    return run_vllm_many([folder], [windows], prompt, serve_python, timeout_s, max_tokens)[0]
+
+
+def run_vllm_many(folders: Sequence[Path], windows: Sequence[torch.Tensor], prompt: str,
+                  serve_python: Path, timeout_s: float, max_tokens: int = 16) -> list[dict]:
+    """:func:`run_vllm` for several checkpoints in one serve process (vLLM is imported
+    once; each checkpoint gets its own engine). ``timeout_s`` is per checkpoint."""
     with tempfile.TemporaryDirectory(prefix="fp4sense-vllm-") as tmp:
-        job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job.write_text(json.dumps({
-            "model": str(Path(folder).resolve()), "windows": windows.tolist(), "prompt": prompt,
-            "max_tokens": max_tokens, "dtype": "float32",
-            "max_model_len": max(1024, windows.shape[1] + max_tokens + 1),
-        }))
+        args, results = [], []
+        for i, (folder, w) in enumerate(zip(folders, windows, strict=True)):
+            job, result = Path(tmp) / f"job{i}.json", Path(tmp) / f"result{i}.json"
+            job.write_text(json.dumps({
+                "model": str(Path(folder).resolve()), "windows": w.tolist(),
+                "prompt": prompt, "max_tokens": max_tokens, "dtype": "float32",
+                "max_model_len": max(1024, w.shape[1] + max_tokens + 1),
+            }))
+            args += [str(job), str(result)]
+            results.append(result)
         try:
-            proc = subprocess.run([str(serve_python), "-m", "fp4sense_vllm.worker", str(job),
-                                   str(result)], capture_output=True, text=True,
-                                  timeout=timeout_s)
+            proc = subprocess.run([str(serve_python), "-m", "fp4sense_vllm.worker", *args],
+                                  capture_output=True, text=True,
+                                  timeout=timeout_s * len(folders))
         except subprocess.TimeoutExpired:
             raise VerifyError(
-                f"vLLM did not finish within {timeout_s:.0f} s on {folder}; raise --timeout "
-                "or check the machine's load"
-            ) from None
-        if proc.returncode != 0 or not result.is_file():
-            lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-            errors = [ln for ln in lines if "Error" in ln or "error" in ln]
-            last = (errors or lines or ["no output"])[-1].strip()
-            raise VerifyError(f"vLLM could not run {folder}: {last}")
-        return json.loads(result.read_text())
+                f"vLLM did not finish within {timeout_s:.0f} s per checkpoint on "
+                f"{', '.join(str(f) for f in folders)}; raise --timeout or check the "
+                "machine's load") from None
+        for folder, result in zip(folders, results, strict=True):
+            if not result.is_file():  # the worker stopped at this checkpoint
+                lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+                errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+                last = (errors or lines or ["no output"])[-1].strip()
+                raise VerifyError(f"vLLM could not run {folder}: {last}")
+        return [json.loads(result.read_text()) for result in results]
 
 
 def verify_vllm(
@@ -169,15 +184,32 @@ def verify_vllm(
     ``tolerance`` defaults to :data:`WEIGHT_ONLY_TOLERANCE`, or to
     :data:`ACTIVATION_QUANT_TOLERANCE` when vLLM quantizes activations of any layer.
     """
-    folder = Path(folder)
-    check_checkpoint(folder)
+    return verify_vllm_many([folder], [windows], prompt, serve_python, tolerance,
+                            timeout_s)[0]
+
+
+def verify_vllm_many(
+    folders: Sequence[str | os.PathLike],
+    windows: Sequence[torch.Tensor],
+    prompt: str = "The President of the United States said that",
+    serve_python: str | os.PathLike | None = None,
+    tolerance: Tolerance | None = None,
+    timeout_s: float = 900.0,
+) -> list[VerifyResult]:
+    """:func:`verify_vllm` for several checkpoints (``windows[i]`` scores ``folders[i]``)
+    with one vLLM process: every folder is checked before vLLM starts."""
+    folders = [Path(f) for f in folders]
+    for folder in folders:
+        check_checkpoint(folder)
     python = find_serve_python(serve_python)
-    served = run_vllm(folder, windows, prompt, python, timeout_s)
-    notes: list[str] = []
-    reference, act_layers = reference_logprobs(folder, windows, notes)
-    if tolerance is None:
-        tolerance = ACTIVATION_QUANT_TOLERANCE if act_layers else WEIGHT_ONLY_TOLERANCE
-    return compare_logprobs(folder, served, reference, tolerance, notes)
+    served = run_vllm_many(folders, windows, prompt, python, timeout_s)
+    out = []
+    for folder, w, result in zip(folders, windows, served, strict=True):
+        notes: list[str] = []
+        reference, act_layers = reference_logprobs(folder, w, notes)
+        tol = tolerance or (ACTIVATION_QUANT_TOLERANCE if act_layers else WEIGHT_ONLY_TOLERANCE)
+        out.append(compare_logprobs(folder, result, reference, tol, notes))
+    return out
 
 
 def compare_logprobs(folder: str | os.PathLike, served: dict, reference: list[list[float]],

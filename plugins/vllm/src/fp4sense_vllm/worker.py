@@ -3,7 +3,10 @@
 Runs in the serve environment, as a separate process from the quantize environment
 (like a real deployment)::
 
-    python -m fp4sense_vllm.worker JOB.json RESULT.json
+    python -m fp4sense_vllm.worker JOB.json RESULT.json [JOB2.json RESULT2.json ...]
+
+Several jobs run one after another in the same process (vLLM is imported once; each
+checkpoint gets its own engine, freed before the next).
 
 JOB: {"model": dir, "windows": [[token ids]], "prompt": str, "max_tokens": int,
       "dtype": "float32" | "bfloat16", "max_model_len": int}
@@ -19,17 +22,26 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    job_path, result_path = argv
-    with open(job_path) as fh:
-        job = json.load(fh)
+    if not argv or len(argv) % 2:
+        print("usage: python -m fp4sense_vllm.worker JOB.json RESULT.json [...]",
+              file=sys.stderr)
+        return 2
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    for job_path, result_path in zip(argv[::2], argv[1::2], strict=True):
+        _run(job_path, result_path)
+    return 0
 
+
+def _run(job_path: str, result_path: str) -> None:
     import vllm
     from vllm import LLM, SamplingParams
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     import fp4sense_vllm
 
+    with open(job_path) as fh:
+        job = json.load(fh)
     llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"),
               max_model_len=job.get("max_model_len", 1024), enforce_eager=True,
               seed=0, enable_prefix_caching=False)
@@ -49,7 +61,8 @@ def main(argv: list[str]) -> int:
     with open(result_path, "w") as fh:
         json.dump({"logprobs": logprobs, "completion": completion, "vllm": vllm.__version__,
                    "plugin_registered": fp4sense_vllm.registered()}, fh)
-    return 0
+    del llm
+    cleanup_dist_env_and_memory()  # the next job's engine starts from a clean state
 
 
 if __name__ == "__main__":  # vLLM spawns processes: the guard is required
