@@ -216,6 +216,7 @@ def quantize_model(
 def _work_folder(out: Path, log: Callable[[str], None]) -> Path:
     """A new work folder beside ``out`` (published by one rename at the end), marked with
     its writer; partial folders of provably dead runs are removed first."""
+    import shutil
     import tempfile
 
     from fp4sense.validate import remove_dead_partials, write_owner
@@ -230,7 +231,7 @@ def _work_folder(out: Path, log: Callable[[str], None]) -> Path:
         work.chmod(0o777 & ~umask)  # a normal folder once published, not mkdtemp's 0700
         write_owner(work)  # a later run may remove this folder once this process is gone
     except BaseException:
-        work.rmdir() if not any(work.iterdir()) else None
+        shutil.rmtree(work, ignore_errors=True)  # unmarked: no later run could remove it
         raise
     return work
 

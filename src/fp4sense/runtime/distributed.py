@@ -60,14 +60,11 @@ def leave(code: int = 0) -> None:
     C++), so the process ends here with ``code``, its output flushed."""
     import sys
 
-    import torch.distributed as dist
-
     if _broken:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    disband()
 
 
 def disband() -> None:
