@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=RESULTS / ".stack-cache")
     parser.add_argument("--out", type=Path, default=RESULTS / "stack.json")
     parser.add_argument("--verify", action="store_true", help="verify-vllm each checkpoint")
-    parser.add_argument("--checkpoint-menus", default="W4A4,weight-only",
+    parser.add_argument("--checkpoint-menus", default="W4A4,weight-only,MX",
                         help="menus whose rows are also written as checkpoints (GPTQ, QAD)")
     parser.add_argument("--fresh", action="store_true")
     parser.add_argument("--only", default=None, metavar="METHOD",
@@ -244,17 +244,24 @@ def checkpoint(key, folder, calib, report_path, args, *, budget_bits, menu, gptq
 
 
 def verify(folders, done) -> dict:
-    out = {}
-    exe = str(Path(sys.executable).parent / "fp4sense")
-    for folder in folders:
-        key = f"verify|{folder.name}"
-        if key not in done:
-            proc = subprocess.run([exe, "verify-vllm", str(folder)], capture_output=True,
-                                  text=True)
-            done.keep({"key": key, "rc": proc.returncode,
-                       "tail": (proc.stdout + proc.stderr)[-400:]})
-        out[folder.name] = "PASS" if done[key]["rc"] == 0 else "FAIL"
-    return out
+    """`fp4sense verify-vllm` on the checkpoints not verified before, in one call (one vLLM
+    process, an engine per checkpoint)."""
+    todo = [f for f in folders if f"verify|{f.name}" not in done]
+    if todo:
+        exe = str(Path(sys.executable).parent / "fp4sense")
+        proc = subprocess.run([exe, "verify-vllm", "--json", *map(str, todo)],
+                              capture_output=True, text=True)
+        try:
+            found = json.loads(proc.stdout)
+            passed = {Path(r["checkpoint"]).name: r["passed"]
+                      for r in (found if isinstance(found, list) else [found])}
+        except (ValueError, KeyError, TypeError):  # stopped before any result
+            passed = {}
+        for f in todo:
+            done.keep({"key": f"verify|{f.name}", "rc": 0 if passed.get(f.name) else
+                       proc.returncode or 1, "tail": (proc.stdout + proc.stderr)[-400:]})
+    return {f.name: "PASS" if done[f"verify|{f.name}"]["rc"] == 0 else "FAIL"
+            for f in folders}
 
 
 def targets(result: dict) -> list[dict]:

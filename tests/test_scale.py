@@ -76,6 +76,43 @@ def test_offloaded_estimate_holds_one_block_and_matches(tmp_path):
     assert offloaded == reference
 
 
+def test_streamed_weight_cache_holds_one_block_per_scheme_and_never_requantizes(
+        tmp_path, monkeypatch):
+    """Streamed, the fake-quantized weights kept are one block's per scheme (flat in
+    depth), below what the whole model would keep, and the estimate still quantizes
+    each (unit, scheme) once: a block's weights serve all its windows, then make room."""
+    from fp4sense.diagnosis import engine
+    from fp4sense.diagnosis.footprint import weight_cache_bytes
+
+    model = _model(tmp_path / "m", "mistral")
+    windows = _windows()
+    units = find_units(model, windows[:1, :16])
+    schemes = ["NVFP4", "MXFP4"]
+    reference = Analysis(model, windows, units, EntryCache(None), False).estimate(schemes)
+    run = Analysis(model, windows, units, EntryCache(None), False, tmp_path / "off")
+    run.qweight_limit = weight_cache_bytes(units, True, len(schemes))
+    assert run.qweight_limit < weight_cache_bytes(units, False, len(schemes)) * len(schemes)
+    calls: dict[tuple, int] = {}
+    most = {"bytes": 0}
+    quantize_unit = engine.quantize_unit
+
+    def counting(scheme, unit, *args, **kwargs):
+        calls[(unit.name, scheme)] = calls.get((unit.name, scheme), 0) + 1
+        most["bytes"] = max(most["bytes"], run.qweight_bytes)
+        return quantize_unit(scheme, unit, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "quantize_unit", counting)
+    try:
+        streamed = run.estimate(schemes)
+    finally:
+        run.store.close()
+    assert streamed == reference
+    assert 0 < most["bytes"] <= run.qweight_limit and run.qweight_bytes <= run.qweight_limit
+    assert set(calls.values()) == {1}
+    assert set(calls) == {(u.name, s) for u in units.units for s in schemes
+                          if u.why_infeasible(s) is None}
+
+
 def test_window_scores_do_not_depend_on_which_windows_run_together(tmp_path):
     """A window's estimate is the same alone or among others (what lets ranks split
     them): its sampling generator is seeded by the window's index."""

@@ -17,20 +17,16 @@ from tqdm.auto import tqdm
 
 from fp4sense.diagnosis.cache import EntryCache
 from fp4sense.diagnosis.experts import expert_hooks
+from fp4sense.diagnosis.footprint import BASE_LOGPROB_BYTES, WEIGHT_CACHE_BYTES
 from fp4sense.diagnosis.offload import BlockStore, Originals
 from fp4sense.diagnosis.stats import mean_se
 from fp4sense.diagnosis.units import Unit, UnitMap, quantize_unit
 from fp4sense.evaluation.metrics import window_metrics
 from fp4sense.numerics.fakequant import activation_quantizer
 
-__all__ = ["Analysis", "Perturbation", "check_cache_memory"]
+__all__ = ["Analysis", "Perturbation"]
 
 Perturbation = dict[str, tuple[Unit, str]]  # linear name -> (its unit, scheme)
-#: Memory for fake-quantized weights kept between perturbations.
-WEIGHT_CACHE_BYTES = 1024 * 2**20
-#: Memory for the base model's log-probs; beyond it they are recomputed from the cached
-#: last block output (only the head runs) when needed.
-BASE_LOGPROB_BYTES = 1024 * 2**20
 
 
 class Analysis:
@@ -73,10 +69,12 @@ class Analysis:
             model.to(self.device)  # the blocks are empty now: the rest moves
         self.qweights: OrderedDict[tuple[Unit, str], list[torch.Tensor]] = OrderedDict()
         self.qweight_bytes = 0
+        self.qweight_limit = WEIGHT_CACHE_BYTES
         self.quant_out: tuple[str, list[list], dict] | None = None
 
     def quantized(self, unit: Unit, scheme: str) -> list[torch.Tensor]:
-        """The unit's fake-quantized weights (the last used kept, WEIGHT_CACHE_BYTES in all)."""
+        """The unit's fake-quantized weights (the last used kept, ``qweight_limit`` bytes in
+        all)."""
         kept = self.qweights.get((unit, scheme))
         if kept is not None:
             self.qweights.move_to_end((unit, scheme))
@@ -92,8 +90,8 @@ class Analysis:
         else:  # pragma: no cover - a model whose weights are not bf16-derived
             ws_kept = ws
         size = sum(w.numel() * w.element_size() for w in ws_kept)
-        if size <= WEIGHT_CACHE_BYTES:  # the least recently used make room
-            while self.qweights and self.qweight_bytes + size > WEIGHT_CACHE_BYTES:
+        if size <= self.qweight_limit:  # the least recently used make room
+            while self.qweights and self.qweight_bytes + size > self.qweight_limit:
                 _, old = self.qweights.popitem(last=False)
                 self.qweight_bytes -= sum(w.numel() * w.element_size() for w in old)
             self.qweights[(unit, scheme)] = ws_kept
@@ -318,39 +316,3 @@ class Analysis:
         if streamed is None:
             streamed = self.store is not None
         return estimate(self, schemes, list(windows), seed, context, streamed)
-
-
-def check_cache_memory(model, windows: torch.Tensor, units: UnitMap, modes, views,
-                  streamed: bool, log) -> None:
-    """What the run's caches will keep, said before it starts and refused when it will
-    not fit: the measured mode replays every block's output of every window (twice with
-    the block view: the base model's and the quantized model's), the streamed estimate
-    keeps every block's input. Weights come on top (one block with offloading)."""
-    from fp4sense.diagnosis.estimate import streamed_input_bytes
-    from fp4sense.runtime.memory import check_fits
-
-    n, tokens = len(windows), windows.shape[1]
-    embed = model.get_input_embeddings()  # the hidden size and vocabulary of any decoder
-    hidden, vocab = embed.embedding_dim, embed.num_embeddings
-    itemsize = next(model.parameters()).element_size()
-    need, parts = 0, []
-    if "measured" in modes:
-        copies = 2 if "block" in views else 1
-        replay = (copies * n * units.n_blocks * tokens * hidden * itemsize
-                  + min(n * tokens * vocab * 4, BASE_LOGPROB_BYTES))
-        need += replay
-        parts.append(f"measured replay {replay / 2**30:.2f} GiB")
-    if "estimated" in modes and streamed:
-        from fp4sense.runtime import distributed
-
-        mine = len(distributed.shard(list(range(n))))
-        kept = streamed_input_bytes(model, mine, tokens, units.n_blocks)
-        need = max(need, kept)  # the measured caches are released before the estimate
-        parts.append(f"streamed estimate {kept / 2**30:.2f} GiB")
-    if parts:
-        weights = min(WEIGHT_CACHE_BYTES, 2 * sum(u.numel for u in units.units))
-        need += weights
-        parts.append(f"quantized weights {weights / 2**30:.2f} GiB")
-        check_fits(need, f"analysis caches ({', '.join(parts)}; {n} windows x "
-                   f"{units.n_blocks} blocks)", "lower --windows or --tokens (or share the "
-                   "estimate's windows across more ranks with torchrun)", log)

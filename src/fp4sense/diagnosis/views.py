@@ -38,7 +38,8 @@ import torch
 from tqdm.auto import tqdm
 
 from fp4sense.diagnosis.cache import EntryCache, cache_key
-from fp4sense.diagnosis.engine import Analysis, Perturbation, check_cache_memory
+from fp4sense.diagnosis.engine import Analysis, Perturbation
+from fp4sense.diagnosis.footprint import check_cache_memory, weight_cache_bytes
 from fp4sense.diagnosis.experts import expert_targets, projection_targets
 from fp4sense.diagnosis.results import Entry, SensitivityReport
 from fp4sense.diagnosis.stats import correlations, mean_se
@@ -223,9 +224,10 @@ def analyze(
     if cache.items:
         log(f"resuming: {len(cache.items)} cached results ({cache.path})")
     streamed = offload_dir is not None or getattr(model, "fp4sense_blocks", None) is not None
-    check_cache_memory(model, windows, units, modes, views, streamed, log)
+    check_cache_memory(model, windows, units, modes, views, streamed, log, len(schemes))
     run = Analysis(model, windows, units, cache, progress,
                    Path(offload_dir) if offload_dir is not None else None, device)
+    run.qweight_limit = weight_cache_bytes(units, streamed, len(schemes))
     try:
         return _run_views(run, model, windows, units, cache, schemes, views, modes,
                           grid_blocks, text, context, fingerprint, key, t0, log)
