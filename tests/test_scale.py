@@ -78,9 +78,9 @@ def test_offloaded_estimate_holds_one_block_and_matches(tmp_path):
 
 def test_streamed_weight_cache_holds_one_block_per_scheme_and_never_requantizes(
         tmp_path, monkeypatch):
-    """Streamed, the fake-quantized weights kept are one block's per scheme (flat in
-    depth), below what the whole model would keep, and the estimate still quantizes
-    each (unit, scheme) once: a block's weights serve all its windows, then make room."""
+    """A streamed estimate keeps the fake-quantized weights of one block per scheme (flat
+    in depth), below what the whole model would keep, and still quantizes each (unit,
+    scheme) once: a block's weights serve all its windows, then make room."""
     from fp4sense.diagnosis import engine
     from fp4sense.diagnosis.footprint import weight_cache_bytes
 
@@ -90,8 +90,8 @@ def test_streamed_weight_cache_holds_one_block_per_scheme_and_never_requantizes(
     schemes = ["NVFP4", "MXFP4"]
     reference = Analysis(model, windows, units, EntryCache(None), False).estimate(schemes)
     run = Analysis(model, windows, units, EntryCache(None), False, tmp_path / "off")
-    run.qweight_limit = weight_cache_bytes(units, True, len(schemes))
-    assert run.qweight_limit < weight_cache_bytes(units, False, len(schemes)) * len(schemes)
+    run.qweight_limit = weight_cache_bytes(units, len(schemes), block_scoped=True)
+    assert run.qweight_limit < weight_cache_bytes(units, len(schemes), False) * len(schemes)
     calls: dict[tuple, int] = {}
     most = {"bytes": 0}
     quantize_unit = engine.quantize_unit

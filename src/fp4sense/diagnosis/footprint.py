@@ -11,20 +11,21 @@ from fp4sense.diagnosis.units import UnitMap
 __all__ = ["BASE_LOGPROB_BYTES", "WEIGHT_CACHE_BYTES", "check_cache_memory",
            "weight_cache_bytes"]
 
-#: Memory for fake-quantized weights kept between perturbations (at most; a streamed run
-#: keeps one block's worth per scheme: :func:`weight_cache_bytes`).
+#: Memory for fake-quantized weights kept between perturbations (at most; the streamed
+#: estimate keeps one block's worth per scheme: :func:`weight_cache_bytes`).
 WEIGHT_CACHE_BYTES = 1024 * 2**20
 #: Memory for the base model's log-probs; beyond it they are recomputed from the cached
 #: last block output (only the head runs) when needed.
 BASE_LOGPROB_BYTES = 1024 * 2**20
 
 
-def weight_cache_bytes(units: UnitMap, streamed: bool, n_schemes: int) -> int:
-    """Memory for fake-quantized weights (kept in bf16: 2 bytes a weight). In memory: up
-    to WEIGHT_CACHE_BYTES. Streamed (offloaded or low-memory blocks): one block's weights
-    for each scheme, the most the streamed estimate reuses (a block's, across its windows),
-    so the caches stay flat in depth; the measured runs requantize what falls out."""
-    if not streamed:
+def weight_cache_bytes(units: UnitMap, n_schemes: int, block_scoped: bool) -> int:
+    """Memory for fake-quantized weights (kept in bf16: 2 bytes a weight), at most
+    WEIGHT_CACHE_BYTES. ``block_scoped`` (a streamed run that only estimates): one block's
+    weights for each scheme, all the streamed estimate reuses (a block's, across its
+    windows), so that cache stays flat in depth. The measured runs reuse a whole kind's
+    weights across blocks, windows and the kind's single linears: they keep the full cap."""
+    if not block_scoped:
         return min(WEIGHT_CACHE_BYTES, 2 * sum(u.numel for u in units.units))
     per_block: dict[int, int] = {}
     for u in units.units:
@@ -60,7 +61,7 @@ def check_cache_memory(model, windows: torch.Tensor, units: UnitMap, modes, view
         need = max(need, kept)  # the measured caches are released before the estimate
         parts.append(f"streamed estimate {kept / 2**30:.2f} GiB")
     if parts:
-        weights = weight_cache_bytes(units, streamed, n_schemes)
+        weights = weight_cache_bytes(units, n_schemes, streamed and "measured" not in modes)
         need += weights
         parts.append(f"quantized weights {weights / 2**30:.2f} GiB")
         check_fits(need, f"analysis caches ({', '.join(parts)}; {n} windows x "

@@ -227,7 +227,8 @@ def analyze(
     check_cache_memory(model, windows, units, modes, views, streamed, log, len(schemes))
     run = Analysis(model, windows, units, cache, progress,
                    Path(offload_dir) if offload_dir is not None else None, device)
-    run.qweight_limit = weight_cache_bytes(units, streamed, len(schemes))
+    run.qweight_limit = weight_cache_bytes(units, len(schemes),
+                                           streamed and "measured" not in modes)
     try:
         return _run_views(run, model, windows, units, cache, schemes, views, modes,
                           grid_blocks, text, context, fingerprint, key, t0, log)
