@@ -39,8 +39,8 @@ from tqdm.auto import tqdm
 
 from fp4sense.diagnosis.cache import EntryCache, cache_key
 from fp4sense.diagnosis.engine import Analysis, Perturbation
-from fp4sense.diagnosis.footprint import check_cache_memory, weight_cache_bytes
 from fp4sense.diagnosis.experts import expert_targets, projection_targets
+from fp4sense.diagnosis.footprint import check_cache_memory, weight_cache_bytes
 from fp4sense.diagnosis.results import Entry, SensitivityReport
 from fp4sense.diagnosis.stats import correlations, mean_se
 from fp4sense.diagnosis.units import Unit, UnitMap, find_units, model_fingerprint, model_name
