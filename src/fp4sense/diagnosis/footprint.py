@@ -20,17 +20,17 @@ BASE_LOGPROB_BYTES = 1024 * 2**20
 
 
 def weight_cache_bytes(units: UnitMap, n_schemes: int, block_scoped: bool) -> int:
-    """Memory for fake-quantized weights (kept in bf16: 2 bytes a weight), at most
-    WEIGHT_CACHE_BYTES. ``block_scoped`` (a streamed run that only estimates): one block's
-    weights for each scheme, all the streamed estimate reuses (a block's, across its
-    windows), so that cache stays flat in depth. The measured runs reuse a whole kind's
-    weights across blocks, windows and the kind's single linears: they keep the full cap."""
-    if not block_scoped:
-        return min(WEIGHT_CACHE_BYTES, 2 * sum(u.numel for u in units.units))
+    """Memory for fake-quantized weights (kept in bf16: 2 bytes a weight): every unit's for
+    each of ``n_schemes``, at most WEIGHT_CACHE_BYTES (the in-memory estimate reuses them
+    all at every window; the measured runs reuse a kind's across blocks, windows and the
+    kind's single linears). ``block_scoped`` (a streamed run that only estimates): one
+    block's for each scheme, all the streamed estimate reuses (a block's, across its
+    windows), so that cache stays flat in depth."""
     per_block: dict[int, int] = {}
     for u in units.units:
         per_block[u.block] = per_block.get(u.block, 0) + u.numel
-    return min(WEIGHT_CACHE_BYTES, 2 * max(n_schemes, 1) * max(per_block.values(), default=0))
+    weights = max(per_block.values(), default=0) if block_scoped else sum(per_block.values())
+    return min(WEIGHT_CACHE_BYTES, 2 * max(n_schemes, 1) * weights)
 
 
 def check_cache_memory(model, windows: torch.Tensor, units: UnitMap, modes, views,

@@ -139,8 +139,8 @@ def quantize_model(
     stored_expert_names(hf_model, source)  # MoE: experts under unpairable names stop here
     hub_id = hub_id_of(source, base_model_id)
     calib = analysis_windows(tokenizer, text, calib_windows, window_tokens)
-    work = distributed.on_main(lambda: _work_folder(out, log), "creating the work folder",
-                               everywhere=True)
+    work = distributed.on_main(lambda: _work_folder(out, log),  # None on the other ranks:
+                               "creating the work folder")  # only rank 0 writes
     try:
         report = None
         if sensitivity is None:  # the ranks share the estimate's windows

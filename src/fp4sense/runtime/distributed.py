@@ -128,11 +128,10 @@ def share(obj: T) -> T:
     return gather(obj)[0]
 
 
-def on_main(work: Callable[[], T], what: str, everywhere: bool = False) -> T | None:
+def on_main(work: Callable[[], T], what: str) -> T | None:
     """Run ``work`` on rank 0 alone (everywhere outside torchrun) and return its result
-    there; the other ranks get None, or a copy of it with ``everywhere`` (in the same one
-    collective). An error on rank 0 stops the others at once with one line naming
-    ``what`` rank 0 was doing, instead of leaving them waiting."""
+    there (None on the other ranks). An error on rank 0 stops the others at once with one
+    line naming ``what`` rank 0 was doing, instead of leaving them waiting."""
     if not _active():
         return work()
     result, error = None, None
@@ -141,13 +140,12 @@ def on_main(work: Callable[[], T], what: str, everywhere: bool = False) -> T | N
             result = work()
         except BaseException as exc:  # noqa: BLE001 (re-raised below, after telling)
             error = exc
-    failed, copy = share((None if error is None else f"{type(error).__name__}: {error}",
-                          result if everywhere and error is None else None))
+    failed = share(None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error
     if failed is not None:
         raise RankError(f"rank {rank()}: rank 0 stopped while {what} ({failed[:200]})")
-    return result if is_main() else copy
+    return result
 
 
 def unshard(parts: Sequence[Sequence[T]], n: int) -> list[T]:
