@@ -113,6 +113,31 @@ def test_streamed_weight_cache_holds_one_block_per_scheme_and_never_requantizes(
                           if u.why_infeasible(s) is None}
 
 
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_an_analysis_of_several_schemes_quantizes_each_unit_once(low_memory, tmp_path,
+                                                                 monkeypatch):
+    """Through ``analyze`` (which sizes the weight cache): an estimate of several schemes,
+    a searched one among them, in memory or streamed, quantizes each (unit, scheme) once
+    over all its windows (a cache of one scheme's worth re-searched at every window)."""
+    from fp4sense.diagnosis import engine
+
+    model = _model(tmp_path / "m", "qwen2")
+    schemes = ["NVFP4", "NVFP4_SEARCH", "FP8_DYNAMIC"]
+    calls: dict[tuple, int] = {}
+    quantize_unit = engine.quantize_unit
+
+    def counting(scheme, unit, *args, **kwargs):
+        calls[(unit.name, scheme)] = calls.get((unit.name, scheme), 0) + 1
+        return quantize_unit(scheme, unit, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "quantize_unit", counting)
+    analyze(model, _windows(4), schemes=schemes, views=["grid"], modes=["estimated"],
+            offload_dir=tmp_path / "off" if low_memory else None, progress=False,
+            log=lambda m: None)
+    assert calls and set(calls.values()) == {1}
+    assert {s for _, s in calls} == set(schemes)
+
+
 def test_window_scores_do_not_depend_on_which_windows_run_together(tmp_path):
     """A window's estimate is the same alone or among others (what lets ranks split
     them): its sampling generator is seeded by the window's index."""
