@@ -34,11 +34,12 @@ def weight_cache_bytes(units: UnitMap, n_schemes: int, block_scoped: bool) -> in
 
 
 def check_cache_memory(model, windows: torch.Tensor, units: UnitMap, modes, views,
-                       streamed: bool, log, n_schemes: int = 1) -> None:
+                       streamed: bool, log, weights: int) -> None:
     """What the run's caches will keep, said before it starts and refused when it will
     not fit: the measured mode replays every block's output of every window (twice with
     the block view: the base model's and the quantized model's), the streamed estimate
-    keeps every block's input. Weights come on top (one block with offloading)."""
+    keeps every block's input. The fake-quantized weights kept (``weights`` bytes, from
+    :func:`weight_cache_bytes`) come on top."""
     from fp4sense.diagnosis.estimate import streamed_input_bytes
     from fp4sense.runtime.memory import check_fits
 
@@ -61,7 +62,6 @@ def check_cache_memory(model, windows: torch.Tensor, units: UnitMap, modes, view
         need = max(need, kept)  # the measured caches are released before the estimate
         parts.append(f"streamed estimate {kept / 2**30:.2f} GiB")
     if parts:
-        weights = weight_cache_bytes(units, n_schemes, streamed and "measured" not in modes)
         need += weights
         parts.append(f"quantized weights {weights / 2**30:.2f} GiB")
         check_fits(need, f"analysis caches ({', '.join(parts)}; {n} windows x "

@@ -224,11 +224,11 @@ def analyze(
     if cache.items:
         log(f"resuming: {len(cache.items)} cached results ({cache.path})")
     streamed = offload_dir is not None or getattr(model, "fp4sense_blocks", None) is not None
-    check_cache_memory(model, windows, units, modes, views, streamed, log, len(schemes))
+    weights = weight_cache_bytes(units, len(schemes), streamed and "measured" not in modes)
+    check_cache_memory(model, windows, units, modes, views, streamed, log, weights)
     run = Analysis(model, windows, units, cache, progress,
                    Path(offload_dir) if offload_dir is not None else None, device)
-    run.qweight_limit = weight_cache_bytes(units, len(schemes),
-                                           streamed and "measured" not in modes)
+    run.qweight_limit = weights
     try:
         return _run_views(run, model, windows, units, cache, schemes, views, modes,
                           grid_blocks, text, context, fingerprint, key, t0, log)
