@@ -3,12 +3,14 @@ an interrupted one to the same weights, and leaves BF16 units untouched."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from fp4sense.diagnosis.units import find_units
-from fp4sense.quantization import distill as qad
+from fp4sense.quantization import qad_loop as qad
 from fp4sense.quantization.distill import DistillError, DistillSettings, distill
 
 
@@ -144,3 +146,54 @@ def test_quantize_with_distill_writes_the_usual_checkpoint_and_its_recipe_reprod
     a = load_file(out / "model.safetensors")
     b = load_file(tmp_path / "again" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_qad_after_gptq_starts_from_gptqs_rounding_and_ends_on_its_grid(
+        tiny_llama, text_file, tmp_path):
+    """With --gptq, QAD trains after GPTQ under GPTQ's scales: untrained (a learning rate
+    too small to move a float32 weight) its checkpoint is GPTQ's, bit for bit; trained,
+    it lowers the KL it starts from (GPTQ's model) and changes the stored codes, not the
+    scales."""
+    import json
+    import subprocess
+
+    import yaml
+    from safetensors.torch import load_file
+
+    from conftest import FP4SENSE, SMALL
+    from fp4sense.checkpoint.checks import check_checkpoint
+
+    def quantize(name: str, *extra: str) -> Path:
+        out = tmp_path / name
+        proc = subprocess.run([FP4SENSE, "quantize", str(tiny_llama), "--budget", "5.0",
+                               "--out", str(out), "--text", str(text_file), *SMALL, "--gptq",
+                               *extra, "--no-eval"], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        check_checkpoint(out)
+        return out
+
+    def tensors(out: Path) -> dict[str, torch.Tensor]:
+        return load_file(out / "model.safetensors")
+
+    qad_args = ["--distill", "4", "--distill-windows", "2"]
+    gptq = tensors(quantize("gptq"))
+    still = quantize("still", *qad_args, "--distill-lr", "1e-12")
+    assert tensors(still).keys() == gptq.keys()
+    assert all(torch.equal(tensors(still)[k], gptq[k]) for k in gptq)
+    stage = yaml.safe_load((still / "recipe.yaml").read_text())["quant_stage"]["quant_modifiers"]
+    assert list(stage) == ["SensitivityGuidedModifier", "GPTQModifier",
+                           "QuantizationAwareDistillationModifier"]
+
+    trained = quantize("trained", "--distill", "8", "--distill-windows", "2",
+                       "--distill-lr", "1e-4")
+    record = json.loads((trained / "distill.json").read_text())
+    assert record["start"] == "after GPTQ, under its scales"
+    assert record["loss_after"] < record["loss_before"]
+    # the stored codes move (FP8's grid is the finer: a few steps from GPTQ's grid points
+    # flip its codes first); the scales are GPTQ's
+    after = tensors(trained)
+    codes = [k for k in gptq if k.endswith(("weight_packed", "proj.weight"))]
+    assert codes and any(not torch.equal(after[k], gptq[k]) for k in codes)
+    scales = [k for k in gptq if k.endswith(("weight_scale", "weight_global_scale"))]
+    assert scales and all(torch.equal(after[k], gptq[k]) for k in scales)

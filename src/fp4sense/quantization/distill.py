@@ -17,9 +17,16 @@ forward pass computes with the plan's formats:
 
 End to end (the whole model in memory, the best quality for its cost); a block-wise
 variant (each block matching its base output, as llm-compressor's sequential pipeline
-walks blocks) is not built. The trained weights are then quantized by the usual
-oneshot, so every scale is derived from them by the format's own rules and the
-checkpoint is the one a plain run writes.
+walks blocks) is not built. Two places in a oneshot:
+
+- before calibration (no GPTQ): the trained weights are then quantized by the usual
+  oneshot, so every scale is derived from them by the format's own rules;
+- after GPTQ (``frozen``): training starts from GPTQ's rounded weights under the scales
+  it calibrated, quantizing weights and inputs with the host's own quantizers and those
+  fixed scales, and leaves the weights on that grid, so the checkpoint stores exactly
+  the model the training ended on (GPTQ run after training would round it again).
+
+Either way the checkpoint is the one a plain run writes.
 
 Stability: the mean loss over each ``check_every`` steps is watched (it judges the state
 the window began with); a non-finite loss or gradient, or a mean above ``rise`` times the
@@ -30,28 +37,25 @@ an interrupt (same model, plan and settings; seeded: it ends where an uninterrup
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from torch.nn.utils import parametrize
-from tqdm.auto import tqdm
 
 from fp4sense.diagnosis.units import UnitMap, quantize_unit, unit_scales
 from fp4sense.numerics.fakequant import activation_quantizer
 from fp4sense.numerics.schemes import get_scheme
+from fp4sense.quantization.qad_loop import DistillError, train
 
-__all__ = ["DistillError", "DistillSettings", "distill"]
+__all__ = ["DistillBase", "DistillError", "DistillSettings", "Frozen", "base_pass", "distill"]
 
-STATE_FILE = "distill-state.pt"
-
-
-class DistillError(ValueError):
-    """Settings or inputs QAD cannot run with (the message says which and what to do)."""
+Quantizer = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -95,18 +99,96 @@ class _StraightThrough(torch.nn.Module):
         return weight if self.delta is None else weight + self.delta
 
 
+@dataclass
+class DistillBase:
+    """What the unquantized model gives the training, computed once: its log-probs per
+    window (bf16) and, per trained linear, its inputs' absolute maximum and E[x^2]."""
+
+    teacher: list[torch.Tensor]
+    absmax: dict[str, float]
+    importance: dict[str, torch.Tensor]
+
+
+@dataclass
+class Frozen:
+    """Quantizers whose scales an earlier calibration fixed (GPTQ's), per linear: the
+    weight's and, for W4A4 / W8A8, the input's. The training quantizes with them as
+    they are and ends with every weight on their grid."""
+
+    weights: dict[str, Quantizer]
+    inputs: dict[str, Quantizer] = field(default_factory=dict)
+    name: str = "GPTQ"  # whose scales: said in the record
+
+
 def distill(model: torch.nn.Module, units: UnitMap, schemes: dict[str, str],
             windows: torch.Tensor, settings: DistillSettings, *,
             state_dir: str | os.PathLike | None = None, key: str = "",
-            progress: bool = True, log: Callable[[str], None] = print) -> dict:
+            progress: bool = True, log: Callable[[str], None] = print,
+            base: DistillBase | None = None, frozen: Frozen | None = None) -> dict:
     """Train ``model`` in place under the plan ``schemes`` (unit name -> scheme).
 
     :param windows: (n, T) calibration token ids; the first ``settings.windows`` are used
     :param key: identifies model + plan for resuming (a saved state with another key is
         not resumed)
+    :param base: the unquantized model's outputs (:func:`base_pass`), when the model has
+        changed since (GPTQ); computed here when not given
+    :param frozen: train under these fixed-scale quantizers instead of fp4sense's own
+        (which derive the scales from the weights as they train), and end quantized
     :return: the record saved as distill.json (settings, losses, curves, rollbacks)
     """
     settings.check()
+    trained = _trained(units, schemes)
+    data = windows[:settings.windows].to(next(model.parameters()).device)
+    modules = dict(model.named_modules())
+    names = [m for u, _ in trained for m in u.modules]
+    missing = sorted(set(names) - set(frozen.weights)) if frozen is not None else []
+    if missing:
+        raise DistillError(f"no fixed-scale quantizer for {missing[:3]}: every trained "
+                           "linear needs its calibrated scales")
+    done = False
+    with _float32(model):
+        for p in model.parameters():
+            p.requires_grad_(False)
+        t0 = time.perf_counter()
+        if base is None:
+            base = _base_pass(model, data, modules, names)
+        params, hooks = _install(model, modules, trained, base.absmax, frozen)
+        quantizer = (_FrozenQuantizer(modules, names, frozen.weights) if frozen is not None
+                     else _Quantizer(modules, trained, base.importance))
+        try:
+            record = train(model, data, base.teacher, params, quantizer, settings,
+                           Path(state_dir) if state_dir else None, key, progress, log)
+            done = True
+        finally:
+            for h in hooks:
+                h.remove()
+            for m in names:  # fixed scales: the weights stay on their grid
+                parametrize.remove_parametrizations(
+                    modules[m], "weight", leave_parametrized=done and frozen is not None)
+            for p in model.parameters():
+                p.requires_grad_(False)
+    record["time_s"] = round(time.perf_counter() - t0, 1)
+    record["settings"] = asdict(settings)
+    record["tokens_per_step"] = int(data.shape[1])
+    record["start"] = (f"after {frozen.name}, under its scales" if frozen is not None
+                       else "before calibration")
+    return record
+
+
+def base_pass(model: torch.nn.Module, units: UnitMap, schemes: dict[str, str],
+              windows: torch.Tensor, settings: DistillSettings) -> DistillBase:
+    """The unquantized model's outputs the training needs (in float32, as it trains);
+    log-probs kept on the CPU."""
+    settings.check()
+    names = [m for u, _ in _trained(units, schemes) for m in u.modules]
+    data = windows[:settings.windows].to(next(model.parameters()).device)
+    with _float32(model):
+        got = _base_pass(model, data, dict(model.named_modules()), names)
+    got.teacher = [t.cpu() for t in got.teacher]
+    return got
+
+
+def _trained(units: UnitMap, schemes: dict[str, str]):
     by_name = units.by_name()
     unknown = sorted(set(schemes) - set(by_name))
     if unknown:
@@ -116,38 +198,22 @@ def distill(model: torch.nn.Module, units: UnitMap, schemes: dict[str, str],
                if get_scheme(s).quantizes]
     if not trained:
         raise DistillError("the plan quantizes no unit: nothing to distill")
-    device, mode = next(model.parameters()).device, model.training
-    # each tensor goes back to its own dtype (a host's float32 scales stay float32)
+    return trained
+
+
+@contextlib.contextmanager
+def _float32(model: torch.nn.Module):
+    """float32 master weights, no dropout; each tensor goes back to its own dtype after
+    (a host's float32 or FP8 scales stay as they were)."""
+    mode = model.training
     dtypes = {k: t.dtype for k, t in [*model.named_parameters(), *model.named_buffers()]}
-    data = windows[:settings.windows].to(device)
-    modules = dict(model.named_modules())
-    model.float().eval()  # float32 master weights; no dropout
-    for p in model.parameters():
-        p.requires_grad_(False)
-    t0 = time.perf_counter()
-    teacher, absmax, importance = _base_pass(model, data, modules,
-                                             [m for u, _ in trained for m in u.modules])
-    params, hooks = _install(model, modules, trained, absmax)
-    quantizer = _Quantizer(modules, trained, importance)
+    model.float().eval()
     try:
-        record = _train(model, data, teacher, params, quantizer, settings,
-                        Path(state_dir) if state_dir else None, key, progress, log)
+        yield
     finally:
-        for h in hooks:
-            h.remove()
-        for unit, _ in trained:
-            for m in unit.modules:
-                parametrize.remove_parametrizations(modules[m], "weight",
-                                                    leave_parametrized=False)
-        for p in model.parameters():
-            p.requires_grad_(False)
         for k, t in [*model.named_parameters(), *model.named_buffers()]:
             t.data = t.data.to(dtypes[k])
         model.train(mode)
-    record["time_s"] = round(time.perf_counter() - t0, 1)
-    record["settings"] = asdict(settings)
-    record["tokens_per_step"] = int(data.shape[1])
-    return record
 
 
 @torch.no_grad()
@@ -172,10 +238,10 @@ def _base_pass(model, data, modules, names):
     finally:
         for h in handles:
             h.remove()
-    return teacher, absmax, {m: sq[m] / rows[m] for m in names if rows[m]}
+    return DistillBase(teacher, absmax, {m: sq[m] / rows[m] for m in names if rows[m]})
 
 
-def _install(model, modules, trained, absmax):
+def _install(model, modules, trained, absmax, frozen: Frozen | None):
     """Straight-through weights and inputs; returns the trainable weights and hooks."""
     params, hooks = [], []
     for unit, scheme in trained:
@@ -186,7 +252,8 @@ def _install(model, modules, trained, absmax):
             weight = mod.parametrizations.weight.original
             weight.requires_grad_(True)
             params.append(weight)
-            quantize_input = activation_quantizer(scheme, absmax[m] or None)
+            quantize_input = (frozen.inputs.get(m) if frozen is not None
+                              else activation_quantizer(scheme, absmax[m] or None))
             if quantize_input is not None:
                 hooks.append(mod.register_forward_pre_hook(
                     lambda _m, args, q=quantize_input: (
@@ -218,119 +285,17 @@ class _Quantizer:
                 mod.parametrizations.weight[0].delta = (q.to(w.dtype) - w).detach()
 
 
-def _kl(model, window, teacher) -> torch.Tensor:
-    student = torch.log_softmax(model(input_ids=window[None]).logits[0].float(), -1)
-    base = teacher.float()
-    return (base.exp() * (base - student)).sum(-1).mean()
 
+class _FrozenQuantizer:
+    """Refreshes the deltas with fixed-scale quantizers (nothing to search)."""
 
-@torch.no_grad()
-def _mean_kl(model, data, teacher, quantizer, n: int = 4) -> float:
-    quantizer.refresh(search=True)
-    pairs = list(zip(data[:n], teacher[:n], strict=False))
-    return sum(float(_kl(model, w, t)) for w, t in pairs) / len(pairs)
+    def __init__(self, modules, names, weights: dict[str, Quantizer]):
+        self.modules, self.names, self.weights = modules, names, weights
+        self.scales: dict[str, torch.Tensor] = {}  # (saved with a state; none here)
 
-
-def _train(model, data, teacher, params, quantizer, st: DistillSettings,
-           state_dir: Path | None, key: str, progress: bool, log) -> dict:
-    gen = torch.Generator().manual_seed(st.seed)
-    order = [int(i) for _ in range(-(-st.steps // len(data)))
-             for i in torch.randperm(len(data), generator=gen)]
-    lr = st.lr
-    hist: dict = {"step": [], "loss": [], "grad_norm": [], "lr": []}
-    rollbacks: list[dict] = []
-    best: tuple[float, int, list[torch.Tensor]] | None = None
-    step = 0
-    saved = _load_state(state_dir, key, st) if state_dir else None
-    loss_before = _mean_kl(model, data, teacher, quantizer)
-    if saved is not None:
-        for p, v in zip(params, saved["params"], strict=True):
-            p.data.copy_(v)
-        step, lr, hist, rollbacks = saved["step"], saved["lr"], saved["hist"], saved["rollbacks"]
-        best, quantizer.scales = saved["best"], saved["scales"]
-        log(f"distill: resumed at step {step} of {st.steps} from {state_dir / STATE_FILE}")
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    if saved is not None:
-        opt.load_state_dict(saved["opt"])
-    bar = tqdm(total=st.steps, initial=step, desc="distill", disable=not progress)
-    window_losses: list[float] = []
-    start: tuple[int, list[torch.Tensor]] | None = None  # the state a check window began at
-    while step < st.steps:
-        if not window_losses:  # a window's losses judge the state it began with
-            start = (step, [p.detach().clone() for p in params])
-        quantizer.refresh(search=step % st.rescale_every == 0)
-        for group in opt.param_groups:
-            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / st.steps))
-        opt.zero_grad(set_to_none=True)
-        i = order[step]
-        loss = _kl(model, data[i], teacher[i])
-        loss.backward()
-        norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
-        value = float(loss.detach())
-        if math.isfinite(value) and math.isfinite(norm):
-            opt.step()
-        step += 1
-        for k, v in zip(hist, (step, value, norm, opt.param_groups[0]["lr"]), strict=True):
-            hist[k].append(v)
-        window_losses.append(value)
-        bar.update(1)
-        bar.set_postfix(loss=f"{value:.4f}", lr=f"{opt.param_groups[0]['lr']:.1e}")
-        diverged = not (math.isfinite(value) and math.isfinite(norm))
-        if len(window_losses) == st.check_every or diverged or step == st.steps:
-            mean = sum(window_losses) / len(window_losses)
-            window_losses = []
-            if not diverged and (best is None or mean < best[0]):
-                best = (mean, *start)
-            elif diverged or mean > st.rise * best[0]:
-                if best is None:
-                    raise DistillError(f"the distillation loss was not finite at step {step} "
-                                       f"(learning rate {lr:g}); lower --distill-lr")
-                for p, v in zip(params, best[2], strict=True):
-                    p.data.copy_(v)
-                lr /= 2
-                opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-                what = "was not finite" if diverged else f"rose to {mean:.4f}"
-                rollbacks.append({"step": step, "to_step": best[1], "lr": lr,
-                                  "why": what})
-                log(f"distill: the loss {what} at step {step} (best {best[0]:.4f} at step "
-                    f"{best[1]}): rolled back to step {best[1]}, learning rate now {lr:g}")
-        if state_dir is not None and (step % st.save_every == 0 or step == st.steps):
-            _save_state(state_dir, key, st, params, opt, step, lr, hist, rollbacks, best,
-                        quantizer.scales)
-    bar.close()
-    loss_after = _mean_kl(model, data, teacher, quantizer)
-    if best is not None and best[1] != step:  # end on the better of the last and the best
-        last = [p.detach().clone() for p in params]
-        for p, v in zip(params, best[2], strict=True):
-            p.data.copy_(v)
-        at_best = _mean_kl(model, data, teacher, quantizer)
-        if at_best < loss_after:
-            loss_after = at_best
-            log(f"distill: ended on the state of step {best[1]} (lower KL than the last)")
-        else:
-            for p, v in zip(params, last, strict=True):
-                p.data.copy_(v)
-            quantizer.refresh(search=True)
-    log(f"distill: {st.steps} steps, KL on the first training windows {loss_before:.4f} -> "
-        f"{loss_after:.4f}" + (f", {len(rollbacks)} rollback(s)" if rollbacks else ""))
-    return {"steps": st.steps, "loss_before": loss_before, "loss_after": loss_after,
-            "rollbacks": rollbacks, "history": hist}
-
-
-def _save_state(state_dir: Path, key, st, params, opt, step, lr, hist, rollbacks, best,
-                scales):
-    state_dir.mkdir(parents=True, exist_ok=True)
-    tmp = state_dir / (STATE_FILE + ".tmp")
-    torch.save({"key": key, "settings": asdict(st), "step": step, "lr": lr, "hist": hist,
-                "rollbacks": rollbacks, "best": best, "scales": scales, "opt": opt.state_dict(),
-                "params": [p.detach() for p in params]}, tmp)
-    tmp.replace(state_dir / STATE_FILE)  # a state is whole or absent
-
-
-def _load_state(state_dir: Path, key: str, st: DistillSettings) -> dict | None:
-    path = state_dir / STATE_FILE
-    if not path.is_file():
-        return None
-    saved = torch.load(path, weights_only=False)
-    return saved if saved.get("key") == key and saved.get("settings") == asdict(st) else None
-
+    @torch.no_grad()
+    def refresh(self, search: bool) -> None:
+        for m in self.names:
+            w = self.modules[m].parametrizations.weight.original
+            q = self.weights[m](w)
+            self.modules[m].parametrizations.weight[0].delta = (q.to(w.dtype) - w).detach()

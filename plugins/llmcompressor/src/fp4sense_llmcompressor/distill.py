@@ -1,11 +1,19 @@
 """QuantizationAwareDistillationModifier: FP4 training (QAD) inside an llm-compressor recipe.
 
 Placed after the quantization modifiers of a stage (``SensitivityGuidedModifier``, a
-plain ``QuantizationModifier``, ``GPTQModifier``), it trains the model at initialization,
-when those have attached their schemes but before calibration: the weights learn to
-match the unquantized model under the attached formats
-(:func:`fp4sense.quantization.distill.distill`), then calibration, GPTQ and compression
-run on the trained weights as usual, so the checkpoint is the one a plain recipe writes::
+plain ``QuantizationModifier``, ``GPTQModifier``), it trains the weights to match the
+unquantized model under the attached formats
+(:func:`fp4sense.quantization.distill.distill`):
+
+- with a ``GPTQModifier`` before it in the stage, after GPTQ (when the oneshot
+  finalizes, before the checkpoint is saved): from GPTQ's rounded weights, under the
+  scales GPTQ calibrated, quantizing with compressed-tensors' own ``forward_quantize``;
+  the weights end on that grid, so compression stores the trained model exactly. The
+  unquantized model's log-probs are taken at initialization, before GPTQ changes it;
+- otherwise at initialization, before calibration: calibration and compression then run
+  on the trained weights, every scale derived from them as usual.
+
+Either way the checkpoint is the one a plain recipe writes::
 
     quant_stage:
       quant_modifiers:
@@ -18,16 +26,25 @@ run on the trained weights as usual, so the checkpoint is the one a plain recipe
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict
 
 import torch
-from llmcompressor.core import State
+from compressed_tensors.quantization import disable_quantization, enable_quantization
+from compressed_tensors.quantization.lifecycle.forward import forward_quantize
+from llmcompressor.core import State, active_session
 from llmcompressor.modifiers import Modifier
 from pydantic import PrivateAttr
 
 from fp4sense.diagnosis.units import find_units, model_fingerprint
-from fp4sense.numerics.schemes import menu_name_of
-from fp4sense.quantization.distill import DistillError, DistillSettings, distill
+from fp4sense.numerics.schemes import get_scheme, menu_name_of
+from fp4sense.quantization.distill import (
+    DistillError,
+    DistillSettings,
+    Frozen,
+    base_pass,
+    distill,
+)
 from fp4sense_llmcompressor.modifier import _calibration_windows
 
 __all__ = ["QuantizationAwareDistillationModifier"]
@@ -59,6 +76,7 @@ class QuantizationAwareDistillationModifier(Modifier):
     requires_calibration_data: bool = True
 
     _record: dict | None = PrivateAttr(None)
+    _later: dict | None = PrivateAttr(None)  # what the training after GPTQ needs
 
     @property
     def record(self) -> dict | None:
@@ -75,20 +93,64 @@ class QuantizationAwareDistillationModifier(Modifier):
         windows = _training_windows(state, self.windows, self.seed)
         units = find_units(model, windows[:1, :16])
         schemes = _attached_schemes(model, units)
-        home = next(model.parameters()).device
-        device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else home))
-        key = f"{model_fingerprint(model)}:{sorted(schemes.items())}"
-        model.to(device)
-        try:
-            self._record = distill(model, units, schemes, windows, settings,
-                                   state_dir=self.state_dir, key=key)
-        finally:
-            model.to(home)
-        self._record["settings"] = asdict(settings)
+        after_gptq = _after_gptq(self)
+        key = f"{model_fingerprint(model)}:{sorted(schemes.items())}:{after_gptq}"
+        args = (model, units, schemes, windows, settings)
+        with self._on_device(model):
+            if after_gptq:  # the base model's outputs now, the training at finalize
+                self._later = {"args": args, "key": key,
+                               "base": base_pass(*args)}
+            else:
+                self._record = distill(*args, state_dir=self.state_dir, key=key)
+                self._record["settings"] = asdict(settings)
         return True
 
     def on_finalize(self, state: State, **kwargs) -> bool:
+        if self._later is None:
+            return True
+        later, self._later = self._later, None
+        model, units, schemes, windows, settings = later["args"]
+        modules = dict(model.named_modules())
+        names = [m for u in units.units if get_scheme(schemes[u.name]).quantizes
+                 for m in u.modules]
+        frozen = Frozen(
+            weights={m: _fixed(modules[m], "weight", "weights") for m in names},
+            inputs={m: _fixed(modules[m], "input", "input_activations") for m in names
+                    if modules[m].quantization_scheme.input_activations is not None})
+        model.apply(disable_quantization)  # the training quantizes, with the same scales
+        try:
+            with self._on_device(model):
+                self._record = distill(model, units, schemes, windows, settings,
+                                       state_dir=self.state_dir, key=later["key"],
+                                       base=later["base"], frozen=frozen)
+        finally:
+            model.apply(enable_quantization)
+        self._record["settings"] = asdict(settings)
         return True
+
+    @contextlib.contextmanager
+    def _on_device(self, model: torch.nn.Module):
+        """Run on ``device`` (default: the first GPU when there is one), then go home."""
+        home = next(model.parameters()).device
+        model.to(torch.device(self.device or ("cuda" if torch.cuda.is_available() else home)))
+        try:
+            yield
+        finally:
+            model.to(home)
+
+
+def _after_gptq(modifier: Modifier) -> bool:
+    """Whether a GPTQModifier comes before ``modifier`` in the recipe being applied."""
+    mods = list(active_session().lifecycle.recipe.modifiers)
+    before = mods[:next((i for i, m in enumerate(mods) if m is modifier), len(mods))]
+    return any(type(m).__name__ == "GPTQModifier" for m in before)
+
+
+def _fixed(module: torch.nn.Module, base: str, field: str):
+    """compressed-tensors' fake quantization of ``module``'s weight or input under the
+    scales calibrated on it (the checkpoint's, for the weight)."""
+    args = getattr(module.quantization_scheme, field)
+    return lambda x: forward_quantize(module, x, base, args)
 
 
 def _training_windows(state: State, n: int, seed: int) -> torch.Tensor:

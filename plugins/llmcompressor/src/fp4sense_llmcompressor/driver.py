@@ -25,7 +25,8 @@ def quantize_with_plan(source: str, calib: torch.Tensor, work: Path, *, plan: st
 
     ``distill`` (the fields of :class:`fp4sense.quantization.distill.DistillSettings`)
     adds a QuantizationAwareDistillationModifier after the others: the weights are trained
-    before calibration; its record is written to ``work / "distill.json"``. ``state_dir``
+    before calibration, or after GPTQ with ``gptq``; its record is written to
+    ``work / "distill.json"``. ``state_dir``
     keeps an interrupted training's state (it is not written into the recipe).
 
     :returns: recipe YAML naming the plan relative to the checkpoint folder.
@@ -55,8 +56,11 @@ def quantize_with_plan(source: str, calib: torch.Tensor, work: Path, *, plan: st
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
     data = Dataset.from_dict({"input_ids": calib.tolist(),
                               "attention_mask": torch.ones_like(calib).tolist()})
+    # in the windows' order (llm-compressor shuffles them unseeded by default): GPTQ's
+    # Hessians and the searched scales' input statistics then sum alike in every run
     oneshot(model=model, recipe=recipe, dataset=data, num_calibration_samples=len(calib),
-            max_seq_length=calib.shape[1], processor=AutoTokenizer.from_pretrained(source))
+            max_seq_length=calib.shape[1], processor=AutoTokenizer.from_pretrained(source),
+            shuffle_calibration_samples=False)
     model.save_pretrained(work, save_compressed=True)
     if trainer is not None:
         (work / "distill.json").write_text(json.dumps(trainer.record, indent=1))

@@ -1,0 +1,138 @@
+"""QAD's training loop: AdamW on the straight-through weights, the stability checks
+(roll back to the best state and halve the learning rate), and the saved state that lets
+an interrupted run resume where it stopped (see :mod:`fp4sense.quantization.distill`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+__all__ = ["STATE_FILE", "train"]
+
+STATE_FILE = "distill-state.pt"
+
+
+class DistillError(ValueError):
+    """Settings or inputs QAD cannot run with (the message says which and what to do)."""
+
+
+def _kl(model, window, teacher) -> torch.Tensor:
+    student = torch.log_softmax(model(input_ids=window[None]).logits[0].float(), -1)
+    base = teacher.to(student.device).float()
+    return (base.exp() * (base - student)).sum(-1).mean()
+
+
+@torch.no_grad()
+def _mean_kl(model, data, teacher, quantizer, n: int = 4) -> float:
+    quantizer.refresh(search=True)
+    pairs = list(zip(data[:n], teacher[:n], strict=False))
+    return sum(float(_kl(model, w, t)) for w, t in pairs) / len(pairs)
+
+
+def train(model, data, teacher, params, quantizer, st,
+           state_dir: Path | None, key: str, progress: bool, log) -> dict:
+    gen = torch.Generator().manual_seed(st.seed)
+    order = [int(i) for _ in range(-(-st.steps // len(data)))
+             for i in torch.randperm(len(data), generator=gen)]
+    lr = st.lr
+    hist: dict = {"step": [], "loss": [], "grad_norm": [], "lr": []}
+    rollbacks: list[dict] = []
+    best: tuple[float, int, list[torch.Tensor]] | None = None
+    step = 0
+    saved = _load_state(state_dir, key, st) if state_dir else None
+    loss_before = _mean_kl(model, data, teacher, quantizer)
+    if saved is not None:
+        for p, v in zip(params, saved["params"], strict=True):
+            p.data.copy_(v)
+        step, lr, hist, rollbacks = saved["step"], saved["lr"], saved["hist"], saved["rollbacks"]
+        best, quantizer.scales = saved["best"], saved["scales"]
+        log(f"distill: resumed at step {step} of {st.steps} from {state_dir / STATE_FILE}")
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    if saved is not None:
+        opt.load_state_dict(saved["opt"])
+    bar = tqdm(total=st.steps, initial=step, desc="distill", disable=not progress)
+    window_losses: list[float] = []
+    start: tuple[int, list[torch.Tensor]] | None = None  # the state a check window began at
+    while step < st.steps:
+        if not window_losses:  # a window's losses judge the state it began with
+            start = (step, [p.detach().clone() for p in params])
+        quantizer.refresh(search=step % st.rescale_every == 0)
+        for group in opt.param_groups:
+            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / st.steps))
+        opt.zero_grad(set_to_none=True)
+        i = order[step]
+        loss = _kl(model, data[i], teacher[i])
+        loss.backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
+        value = float(loss.detach())
+        if math.isfinite(value) and math.isfinite(norm):
+            opt.step()
+        step += 1
+        for k, v in zip(hist, (step, value, norm, opt.param_groups[0]["lr"]), strict=True):
+            hist[k].append(v)
+        window_losses.append(value)
+        bar.update(1)
+        bar.set_postfix(loss=f"{value:.4f}", lr=f"{opt.param_groups[0]['lr']:.1e}")
+        diverged = not (math.isfinite(value) and math.isfinite(norm))
+        if len(window_losses) == st.check_every or diverged or step == st.steps:
+            mean = sum(window_losses) / len(window_losses)
+            window_losses = []
+            if not diverged and (best is None or mean < best[0]):
+                best = (mean, *start)
+            elif diverged or mean > st.rise * best[0]:
+                if best is None:
+                    raise DistillError(f"the distillation loss was not finite at step {step} "
+                                       f"(learning rate {lr:g}); lower --distill-lr")
+                for p, v in zip(params, best[2], strict=True):
+                    p.data.copy_(v)
+                lr /= 2
+                opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+                what = "was not finite" if diverged else f"rose to {mean:.4f}"
+                rollbacks.append({"step": step, "to_step": best[1], "lr": lr,
+                                  "why": what})
+                log(f"distill: the loss {what} at step {step} (best {best[0]:.4f} at step "
+                    f"{best[1]}): rolled back to step {best[1]}, learning rate now {lr:g}")
+        if state_dir is not None and (step % st.save_every == 0 or step == st.steps):
+            _save_state(state_dir, key, st, params, opt, step, lr, hist, rollbacks, best,
+                        quantizer.scales)
+    bar.close()
+    loss_after = _mean_kl(model, data, teacher, quantizer)
+    if best is not None and best[1] != step:  # end on the better of the last and the best
+        last = [p.detach().clone() for p in params]
+        for p, v in zip(params, best[2], strict=True):
+            p.data.copy_(v)
+        at_best = _mean_kl(model, data, teacher, quantizer)
+        if at_best < loss_after:
+            loss_after = at_best
+            log(f"distill: ended on the state of step {best[1]} (lower KL than the last)")
+        else:
+            for p, v in zip(params, last, strict=True):
+                p.data.copy_(v)
+            quantizer.refresh(search=True)
+    log(f"distill: {st.steps} steps, KL on the first training windows {loss_before:.4f} -> "
+        f"{loss_after:.4f}" + (f", {len(rollbacks)} rollback(s)" if rollbacks else ""))
+    return {"steps": st.steps, "loss_before": loss_before, "loss_after": loss_after,
+            "rollbacks": rollbacks, "history": hist}
+
+
+def _save_state(state_dir: Path, key, st, params, opt, step, lr, hist, rollbacks, best,
+                scales):
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tmp = state_dir / (STATE_FILE + ".tmp")
+    torch.save({"key": key, "settings": asdict(st), "step": step, "lr": lr, "hist": hist,
+                "rollbacks": rollbacks, "best": best, "scales": scales, "opt": opt.state_dict(),
+                "params": [p.detach() for p in params]}, tmp)
+    tmp.replace(state_dir / STATE_FILE)  # a state is whole or absent
+
+
+def _load_state(state_dir: Path, key: str, st) -> dict | None:
+    path = state_dir / STATE_FILE
+    if not path.is_file():
+        return None
+    saved = torch.load(path, weights_only=False)
+    return saved if saved.get("key") == key and saved.get("settings") == asdict(st) else None
+
