@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--menus", default=",".join(MENUS))
     parser.add_argument("--steps", type=int, default=64, help="QAD steps")
     parser.add_argument("--lr", type=float, default=5e-5, help="QAD learning rate")
-    parser.add_argument("--qad-windows", type=int, default=32)
+    parser.add_argument("--qad-windows", type=int, default=28)
+    parser.add_argument("--qad-holdout", type=int, default=4,
+                        help="calibration windows QAD holds out to choose its end state")
     parser.add_argument("--cache", type=Path, default=RESULTS / ".stack-cache")
     parser.add_argument("--out", type=Path, default=RESULTS / "stack.json")
     parser.add_argument("--verify", action="store_true", help="verify-vllm each checkpoint")
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": "python bench/stack.py " + shlex.join(argv or sys.argv[1:]),
               "protocol": {"estimate_windows": 8, "calib_windows": 32, "eval_windows": 16,
                            "window_tokens": 512, "qad_steps": args.steps, "qad_lr": args.lr,
-                           "qad_windows": args.qad_windows},
+                           "qad_windows": args.qad_windows, "qad_holdout": args.qad_holdout},
               "base_ppl": base_ppl, "analysis_s": done.get("analysis", {}).get("wall_s"),
               "analysis_schemes": schemes, "plain_nvfp4_oneshot_s": plain_s, "rows": rows,
               "verify_vllm": {}, "caveat": BUNDLED_MODEL_NOTE}
@@ -223,8 +225,8 @@ def checkpoint(key, folder, calib, report_path, args, *, budget_bits, menu, gptq
     from fp4sense.api import quantize_model
     from fp4sense.quantization.distill import DistillSettings
 
-    distill = DistillSettings(steps=args.steps, lr=args.lr, windows=args.qad_windows) \
-        if qad else None
+    distill = DistillSettings(steps=args.steps, lr=args.lr, windows=args.qad_windows,
+                              holdout=args.qad_holdout) if qad else None
     t = time.perf_counter()
     result = quantize_model(None, out_dir=folder, budget_bits=budget_bits, menu=menu,
                             sensitivity=None if own_analysis else report_path,
@@ -238,8 +240,11 @@ def checkpoint(key, folder, calib, report_path, args, *, budget_bits, menu, gptq
             "wall_s": round(wall - timings.get("eval_s", 0.0), 1)}
     if qad:
         record = json.loads((folder / "distill.json").read_text())
-        item["qad"] = {k: record[k] for k in ("loss_before", "loss_after", "time_s")}
+        item["qad"] = {k: record[k] for k in ("loss_before", "loss_after", "time_s", "start",
+                                              "windows_trained")}
         item["qad"]["rollbacks"] = len(record["rollbacks"])
+        item["qad"]["holdout"] = record.get("holdout")
+        item["qad"]["lr"] = record["settings"]["lr"]
     return item
 
 
@@ -291,8 +296,9 @@ def write_markdown(result: dict, path: Path) -> None:
     p = result["protocol"]
     lines = ["# The whole stack on SmolLM2", "", f"`{result['command']}`", "",
              f"Base PPL {result['base_ppl']:.3f}. {result['caveat']}", "",
-             f"QAD: {p['qad_steps']} steps, learning rate {p['qad_lr']:g}, "
-             f"{p['qad_windows']} calibration windows. Estimate of all the menus' schemes: "
+             f"QAD: {p['qad_steps']} steps (when it starts, its learning rate, the windows it "
+             "trains on and holds out: per row under QAD). "
+             "Estimate of all the menus' schemes: "
              + (f"{result['analysis_s']:.0f} s" if result["analysis_s"] else "cached from an "
                 "earlier run of the command") + ". Plain llm-compressor NVFP4 oneshot on the same "
              f"data: {result['plain_nvfp4_oneshot_s']:.1f} s. Wall time of a written "
@@ -309,7 +315,21 @@ def write_markdown(result: dict, path: Path) -> None:
                          f"{r['kl_se']:.4f} | {r['ppl']:.2f} | {r['top1']:.3f} | {r['eval']} | "
                          + (f"{r['wall_s']:.0f} |" if r["eval"] == "checkpoint" else "– |"))
         lines.append("")
-    lines += ["## Targets", "", "| menu | target | best | met |", "|---|---|---|---|"]
+    lines += ["## QAD", "", "| row | starts | learning rate | windows trained | held out (KL "
+              "before → after, end step) | training KL before → after |",
+              "|---|---|---|---|---|---|"]
+    for r in (r for r in result["rows"] if r.get("qad")):
+        # rows written before these were recorded: before calibration, 32 windows, none
+        # held out, learning rate 5e-5 (the settings of every QAD row then)
+        q = {"start": "before calibration", "windows_trained": 32, "holdout": None,
+             "lr": 5e-5, **r["qad"]}
+        h = q["holdout"]
+        held = (f"{h['windows']} ({h['before']:.4f} → {h['after']:.4f}, step {h['step']})"
+                if h else "none")
+        lines.append(f"| {r['menu']} {r['method']} | {q['start']} | {q['lr']:g} | "
+                     f"{q['windows_trained']} | "
+                     f"{held} | {q['loss_before']:.4f} → {q['loss_after']:.4f} |")
+    lines += ["", "## Targets", "", "| menu | target | best | met |", "|---|---|---|---|"]
     lines += [f"| {t['menu']} | {t['target']} | {t['best']} | {'yes' if t['met'] else 'no'} |"
               for t in result["targets"]]
     if result["verify_vllm"]:

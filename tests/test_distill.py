@@ -93,10 +93,37 @@ def test_interrupted_qad_resumes_to_the_same_weights(tiny_llama, tmp_path, monke
 
 
 @pytest.mark.parametrize("bad", [{"steps": 0}, {"steps": -3}, {"steps": 5, "lr": 0.0},
-                                 {"steps": 5, "save_every": 7}])
+                                 {"steps": 5, "save_every": 7}, {"steps": 5, "holdout": -1}])
 def test_bad_settings_are_one_clear_error(bad):
     with pytest.raises(DistillError):
         DistillSettings(**bad).check()
+
+
+def test_held_out_windows_choose_the_state_the_run_ends_on(tiny_llama):
+    """With held-out windows the run ends on the checked state with the lowest KL on them:
+    never worse there than it began, and a run that only hurts them (a learning rate far
+    too high) leaves the weights exactly as they were."""
+    model, units, schemes, windows, _ = _setup(tiny_llama)
+    lines: list[str] = []
+    record = distill(model, units, schemes, windows,
+                     DistillSettings(steps=12, lr=3e-5, windows=3, holdout=1, check_every=4,
+                                     save_every=4, rescale_every=4),
+                     progress=False, log=lines.append)
+    held = record["holdout"]
+    assert held["windows"] == 1 and record["windows_trained"] == 3
+    assert held["step"] in (0, 4, 8, 12) and held["after"] <= held["before"]
+    assert any("held-out windows" in line for line in lines)
+
+    model, units, schemes, windows, _ = _setup(tiny_llama)
+    before = _weights(model)
+    record = distill(model, units, schemes, windows,
+                     DistillSettings(steps=8, lr=3.0, windows=3, holdout=1, check_every=2,
+                                     save_every=2), progress=False)
+    assert record["holdout"]["step"] == 0 and record["rollbacks"]
+    assert all(torch.equal(v, before[k]) for k, v in _weights(model).items())
+    with pytest.raises(DistillError, match="hold out fewer"):
+        distill(model, units, schemes, windows[:2],
+                DistillSettings(steps=2, windows=3, holdout=2), progress=False)
 
 
 def test_a_plan_for_another_model_is_refused(tiny_llama):
@@ -127,7 +154,8 @@ def test_quantize_with_distill_writes_the_usual_checkpoint_and_its_recipe_reprod
     out = tmp_path / "qad"
     proc = subprocess.run([FP4SENSE, "quantize", str(tiny_llama), "--budget", "5.5", "--out",
                            str(out), "--text", str(text_file), *SMALL, "--distill", "4",
-                           "--distill-windows", "2", "--distill-lr", "3e-5", "--no-eval"],
+                           "--distill-windows", "2", "--distill-holdout", "1", "--distill-lr",
+                           "3e-5", "--no-eval"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_checkpoint(out)
@@ -176,7 +204,7 @@ def test_qad_after_gptq_starts_from_gptqs_rounding_and_ends_on_its_grid(
     def tensors(out: Path) -> dict[str, torch.Tensor]:
         return load_file(out / "model.safetensors")
 
-    qad_args = ["--distill", "4", "--distill-windows", "2"]
+    qad_args = ["--distill", "4", "--distill-windows", "2", "--distill-holdout", "1"]
     gptq = tensors(quantize("gptq"))
     still = quantize("still", *qad_args, "--distill-lr", "1e-12")
     assert tensors(still).keys() == gptq.keys()
@@ -186,7 +214,7 @@ def test_qad_after_gptq_starts_from_gptqs_rounding_and_ends_on_its_grid(
                            "QuantizationAwareDistillationModifier"]
 
     trained = quantize("trained", "--distill", "8", "--distill-windows", "2",
-                       "--distill-lr", "1e-4")
+                       "--distill-holdout", "0", "--distill-lr", "1e-4")
     record = json.loads((trained / "distill.json").read_text())
     assert record["start"] == "after GPTQ, under its scales"
     assert record["loss_after"] < record["loss_before"]

@@ -137,6 +137,9 @@ def quantize_args(p: argparse.ArgumentParser) -> None:
                    help="distillation learning rate")
     p.add_argument("--distill-windows", type=positive_int, default=16,
                    help="calibration windows the distillation trains on")
+    p.add_argument("--distill-holdout", type=int, default=4, metavar="N",
+                   help="further calibration windows, not trained on, that choose the "
+                        "state the distillation ends on (0: none)")
     p.add_argument("--no-scale-search", action="store_true",
                    help="plan without the searched-scale twins of the FP4 menu schemes "
                         "(NVFP4 -> NVFP4_SEARCH, used by default where they score lower)")

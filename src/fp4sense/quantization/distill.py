@@ -31,6 +31,10 @@ Either way the checkpoint is the one a plain run writes.
 Stability: the mean loss over each ``check_every`` steps is watched (it judges the state
 the window began with); a non-finite loss or gradient, or a mean above ``rise`` times the
 best so far, restores the best state, halves the learning rate and says so. With
+``holdout`` windows kept out of training, every checked state is also judged on them and
+the run ends on the lowest there, the starting state included: it never ends worse on
+windows it did not train on than it began (without, it ends on the better of its last
+and best state by the training loss). With
 ``state_dir`` the run saves itself every ``save_every`` steps and resumes from there after
 an interrupt (same model, plan and settings; seeded: it ends where an uninterrupted one does).
 """
@@ -66,6 +70,7 @@ class DistillSettings:
     lr: float = 5e-5
     seed: int = 0
     windows: int = 16  # calibration windows trained on (base log-probs kept in memory)
+    holdout: int = 0  # further windows, not trained on, that choose the state it ends on
     check_every: int = 10
     rise: float = 1.5  # a check-window mean above rise x the best one rolls back
     rescale_every: int = 20
@@ -77,6 +82,9 @@ class DistillSettings:
                                f"{self.steps!r}; give e.g. --distill 100")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise DistillError(f"the distillation learning rate must be positive, got {self.lr}")
+        if not isinstance(self.holdout, int) or self.holdout < 0:
+            raise DistillError(f"the held-out windows must be a whole number, 0 or more, got "
+                               f"{self.holdout!r}")
         if self.windows < 1 or self.check_every < 1 or self.rescale_every < 1:
             raise DistillError("distillation windows, check_every and rescale_every must be "
                                "at least 1")
@@ -138,7 +146,7 @@ def distill(model: torch.nn.Module, units: UnitMap, schemes: dict[str, str],
     """
     settings.check()
     trained = _trained(units, schemes)
-    data = windows[:settings.windows].to(next(model.parameters()).device)
+    data = _split(windows, settings).to(next(model.parameters()).device)
     modules = dict(model.named_modules())
     names = [m for u, _ in trained for m in u.modules]
     missing = sorted(set(names) - set(frozen.weights)) if frozen is not None else []
@@ -155,9 +163,11 @@ def distill(model: torch.nn.Module, units: UnitMap, schemes: dict[str, str],
         params, hooks = _install(model, modules, trained, base.absmax, frozen)
         quantizer = (_FrozenQuantizer(modules, names, frozen.weights) if frozen is not None
                      else _Quantizer(modules, trained, base.importance))
+        n = len(data) - settings.holdout  # trained on the first n, judged on the rest
+        held = (data[n:], base.teacher[n:]) if settings.holdout else None
         try:
-            record = train(model, data, base.teacher, params, quantizer, settings,
-                           Path(state_dir) if state_dir else None, key, progress, log)
+            record = train(model, data[:n], base.teacher[:n], params, quantizer, settings,
+                           Path(state_dir) if state_dir else None, key, progress, log, held)
             done = True
         finally:
             for h in hooks:
@@ -170,6 +180,7 @@ def distill(model: torch.nn.Module, units: UnitMap, schemes: dict[str, str],
     record["time_s"] = round(time.perf_counter() - t0, 1)
     record["settings"] = asdict(settings)
     record["tokens_per_step"] = int(data.shape[1])
+    record["windows_trained"] = n
     record["start"] = (f"after {frozen.name}, under its scales" if frozen is not None
                        else "before calibration")
     return record
@@ -181,11 +192,23 @@ def base_pass(model: torch.nn.Module, units: UnitMap, schemes: dict[str, str],
     log-probs kept on the CPU."""
     settings.check()
     names = [m for u, _ in _trained(units, schemes) for m in u.modules]
-    data = windows[:settings.windows].to(next(model.parameters()).device)
+    data = _split(windows, settings).to(next(model.parameters()).device)
     with _float32(model):
         got = _base_pass(model, data, dict(model.named_modules()), names)
     got.teacher = [t.cpu() for t in got.teacher]
     return got
+
+
+def _split(windows: torch.Tensor, settings: DistillSettings) -> torch.Tensor:
+    """The windows QAD uses: up to ``windows`` to train on, then ``holdout`` held out (the
+    training takes fewer when fewer are given; the held-out ones are never cut)."""
+    use = windows[:settings.windows + settings.holdout]
+    if len(use) <= settings.holdout:
+        raise DistillError(f"QAD holds out {settings.holdout} calibration windows and needs "
+                           f"at least one more to train on, but {len(windows)} were given; "
+                           "give more calibration windows or hold out fewer "
+                           "(--distill-holdout)")
+    return use
 
 
 def _trained(units: UnitMap, schemes: dict[str, str]):

@@ -33,8 +33,18 @@ def _mean_kl(model, data, teacher, quantizer, n: int = 4) -> float:
     return sum(float(_kl(model, w, t)) for w, t in pairs) / len(pairs)
 
 
-def train(model, data, teacher, params, quantizer, st,
-           state_dir: Path | None, key: str, progress: bool, log) -> dict:
+@torch.no_grad()
+def _held_kl(model, held, quantizer) -> float:
+    """Mean KL on the held-out windows under the scales in use (no new search)."""
+    quantizer.refresh(search=False)
+    return sum(float(_kl(model, w, t)) for w, t in zip(*held, strict=True)) / len(held[0])
+
+
+def train(model, data, teacher, params, quantizer, st, state_dir: Path | None, key: str,
+          progress: bool, log, held: tuple | None = None) -> dict:
+    """Train ``params``; with ``held`` (windows, their base log-probs) every checked state
+    is judged on those windows too and the run ends on the lowest there (the starting
+    state included), so it never ends worse on them than it began."""
     gen = torch.Generator().manual_seed(st.seed)
     order = [int(i) for _ in range(-(-st.steps // len(data)))
              for i in torch.randperm(len(data), generator=gen)]
@@ -45,11 +55,16 @@ def train(model, data, teacher, params, quantizer, st,
     step = 0
     saved = _load_state(state_dir, key, st) if state_dir else None
     loss_before = _mean_kl(model, data, teacher, quantizer)
+    chosen: tuple[float, int, list[torch.Tensor]] | None = None  # lowest held-out KL
+    held_before = _held_kl(model, held, quantizer) if held is not None else None
+    if held is not None:
+        chosen = (held_before, 0, [p.detach().clone() for p in params])
     if saved is not None:
         for p, v in zip(params, saved["params"], strict=True):
             p.data.copy_(v)
         step, lr, hist, rollbacks = saved["step"], saved["lr"], saved["hist"], saved["rollbacks"]
         best, quantizer.scales = saved["best"], saved["scales"]
+        chosen = saved.get("chosen", chosen)
         log(f"distill: resumed at step {step} of {st.steps} from {state_dir / STATE_FILE}")
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     if saved is not None:
@@ -81,9 +96,15 @@ def train(model, data, teacher, params, quantizer, st,
         if len(window_losses) == st.check_every or diverged or step == st.steps:
             mean = sum(window_losses) / len(window_losses)
             window_losses = []
+            rolled = diverged or (best is not None and mean >= best[0]
+                                  and mean > st.rise * best[0])
             if not diverged and (best is None or mean < best[0]):
                 best = (mean, *start)
-            elif diverged or mean > st.rise * best[0]:
+            if held is not None and not rolled:  # judge the state reached now
+                h = _held_kl(model, held, quantizer)
+                if h < chosen[0]:
+                    chosen = (h, step, [p.detach().clone() for p in params])
+            if rolled:
                 if best is None:
                     raise DistillError(f"the distillation loss was not finite at step {step} "
                                        f"(learning rate {lr:g}); lower --distill-lr")
@@ -98,10 +119,21 @@ def train(model, data, teacher, params, quantizer, st,
                     f"{best[1]}): rolled back to step {best[1]}, learning rate now {lr:g}")
         if state_dir is not None and (step % st.save_every == 0 or step == st.steps):
             _save_state(state_dir, key, st, params, opt, step, lr, hist, rollbacks, best,
-                        quantizer.scales)
+                        quantizer.scales, chosen)
     bar.close()
-    loss_after = _mean_kl(model, data, teacher, quantizer)
-    if best is not None and best[1] != step:  # end on the better of the last and the best
+    extra: dict = {}
+    if held is not None:  # end on the state the held-out windows judge best
+        for p, v in zip(params, chosen[2], strict=True):
+            p.data.copy_(v)
+        loss_after = _mean_kl(model, data, teacher, quantizer)
+        extra["holdout"] = {"windows": len(held[0]), "before": held_before,
+                            "after": _held_kl(model, held, quantizer), "step": chosen[1]}
+        log(f"distill: ended on the state of step {chosen[1]}, the lowest KL on "
+            f"{len(held[0])} held-out windows ({held_before:.4f} -> "
+            f"{extra['holdout']['after']:.4f})")
+    else:
+        loss_after = _mean_kl(model, data, teacher, quantizer)
+    if held is None and best is not None and best[1] != step:  # the better of last, best
         last = [p.detach().clone() for p in params]
         for p, v in zip(params, best[2], strict=True):
             p.data.copy_(v)
@@ -116,15 +148,16 @@ def train(model, data, teacher, params, quantizer, st,
     log(f"distill: {st.steps} steps, KL on the first training windows {loss_before:.4f} -> "
         f"{loss_after:.4f}" + (f", {len(rollbacks)} rollback(s)" if rollbacks else ""))
     return {"steps": st.steps, "loss_before": loss_before, "loss_after": loss_after,
-            "rollbacks": rollbacks, "history": hist}
+            "rollbacks": rollbacks, "history": hist, **extra}
 
 
 def _save_state(state_dir: Path, key, st, params, opt, step, lr, hist, rollbacks, best,
-                scales):
+                scales, chosen):
     state_dir.mkdir(parents=True, exist_ok=True)
     tmp = state_dir / (STATE_FILE + ".tmp")
     torch.save({"key": key, "settings": asdict(st), "step": step, "lr": lr, "hist": hist,
                 "rollbacks": rollbacks, "best": best, "scales": scales, "opt": opt.state_dict(),
+                "chosen": chosen,
                 "params": [p.detach() for p in params]}, tmp)
     tmp.replace(state_dir / STATE_FILE)  # a state is whole or absent
 

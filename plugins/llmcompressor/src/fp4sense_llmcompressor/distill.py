@@ -57,6 +57,8 @@ class QuantizationAwareDistillationModifier(Modifier):
     :param lr: AdamW learning rate (cosine schedule to zero)
     :param seed: which calibration windows, and their order
     :param windows: calibration samples trained on (their base log-probs stay in memory)
+    :param holdout: further calibration samples, not trained on, that choose the state
+        the training ends on (the lowest KL on them, the starting state included)
     :param state_dir: where an interrupted run saves and resumes (optional)
     :param device: where training runs (default: the first CUDA device when there is one,
         else where the model is); the model goes back afterwards
@@ -66,6 +68,7 @@ class QuantizationAwareDistillationModifier(Modifier):
     lr: float = 5e-5
     seed: int = 0
     windows: int = 16
+    holdout: int = 0
     check_every: int = 10
     rise: float = 1.5
     rescale_every: int = 20
@@ -87,10 +90,10 @@ class QuantizationAwareDistillationModifier(Modifier):
         model = state.model
         settings = DistillSettings(
             steps=self.steps, lr=self.lr, seed=self.seed, windows=self.windows,
-            check_every=self.check_every, rise=self.rise, rescale_every=self.rescale_every,
-            save_every=self.save_every)
+            holdout=self.holdout, check_every=self.check_every, rise=self.rise,
+            rescale_every=self.rescale_every, save_every=self.save_every)
         settings.check()
-        windows = _training_windows(state, self.windows, self.seed)
+        windows = _training_windows(state, self.windows + self.holdout, self.seed)
         units = find_units(model, windows[:1, :16])
         schemes = _attached_schemes(model, units)
         after_gptq = _after_gptq(self)

@@ -1,0 +1,89 @@
+"""Benchmark: the learning rate of QAD after GPTQ, judged on calibration windows only.
+
+QAD after GPTQ starts with every weight on GPTQ's grid, under GPTQ's fixed scales: a
+code changes only when its weight moves half a grid step, and AdamW moves a weight by
+about the learning rate per step. This runs `fp4sense quantize --gptq --distill STEPS`
+on the bundled SmolLM2 (W4A4 menu at 5.0 bits by default, planned from the stack
+benchmark's shared estimate) for each learning rate and reports QAD's own KL before and
+after on its training windows, the share of stored weight codes that differ from the
+untrained GPTQ checkpoint's, and the time; no evaluation text is read.
+
+    .venv/bin/python bench/qad_lr.py --lrs 5e-5,5e-4 [--menu NVFP4A16,FP8_DYNAMIC,BF16]
+
+Results: bench/results/qad_lr.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lrs", default="5e-5,5e-4")
+    parser.add_argument("--menu", default="NVFP4,FP8_DYNAMIC,BF16")
+    parser.add_argument("--budget", type=float, default=5.0)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--qad-windows", type=int, default=8)
+    parser.add_argument("--sensitivity", type=Path,
+                        default=RESULTS / ".stack-cache" / "sensitivity.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "qad_lr.json")
+    args = parser.parse_args(argv)
+
+    from safetensors.torch import load_file
+
+    from fp4sense.api import quantize_model
+    from fp4sense.quantization.distill import DistillSettings
+
+    menu = args.menu.split(",")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fp4sense-qad-lr-") as tmp:
+        def run(name: str, lr: float | None) -> tuple[Path, float]:
+            distill = (DistillSettings(steps=args.steps, lr=lr, windows=args.qad_windows)
+                       if lr is not None else None)
+            t = time.perf_counter()
+            quantize_model(None, out_dir=Path(tmp) / name, budget_bits=args.budget, menu=menu,
+                           sensitivity=args.sensitivity, gptq=True, distill=distill,
+                           evaluate=False, progress=False, log=lambda m: None)
+            return Path(tmp) / name, time.perf_counter() - t
+
+        gptq, gptq_s = run("gptq", None)
+        base = load_file(gptq / "model.safetensors")
+        codes = [k for k in base if k.endswith(("weight_packed", "proj.weight"))]
+        for lr in (float(x) for x in args.lrs.split(",")):
+            folder, wall = run(f"lr{lr:g}", lr)
+            record = json.loads((folder / "distill.json").read_text())
+            got = load_file(folder / "model.safetensors")
+            moved = {kind: _changed([k for k in codes if k.endswith(kind)], base, got)
+                     for kind in ("weight_packed", "proj.weight")}
+            row = {"lr": lr, "loss_before": record["loss_before"],
+                   "loss_after": record["loss_after"], "rollbacks": len(record["rollbacks"]),
+                   "changed_fp4_bytes": moved["weight_packed"],
+                   "changed_fp8_codes": moved["proj.weight"],
+                   "qad_s": record["time_s"], "wall_s": round(wall, 1)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    args.out.write_text(json.dumps({"params": {**vars(args), "out": None,
+                                               "sensitivity": args.sensitivity.name},
+                                    "gptq_wall_s": round(gptq_s, 1), "rows": rows}, indent=1))
+    return 0
+
+
+def _changed(keys, a, b) -> float | None:
+    """Share of stored elements (packed FP4 bytes, FP8 codes) that differ."""
+    if not keys:
+        return None
+    n = sum(a[k].numel() for k in keys)
+    return sum(int((a[k].view(torch.uint8) != b[k].view(torch.uint8)).sum()) for k in keys) / n
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
