@@ -163,6 +163,8 @@ def test_quantize_with_distill_writes_the_usual_checkpoint_and_its_recipe_reprod
     assert len(record["history"]["loss"]) == 4 and (out / "distill.png").is_file()
     training = json.loads((out / "plan.json").read_text())["training"]
     assert training["steps"] == 4 and training["loss_before"] == record["loss_before"]
+    assert training["start"] == "before calibration" and training["windows"] == 2
+    assert training["holdout"]["windows"] == 1 and record["holdout"]["windows"] == 1
     assert "## FP4 training" in (out / "README.md").read_text()
     stage = yaml.safe_load((out / "recipe.yaml").read_text())["quant_stage"]["quant_modifiers"]
     assert list(stage) == ["SensitivityGuidedModifier", "QuantizationAwareDistillationModifier"]
@@ -217,6 +219,9 @@ def test_qad_after_gptq_starts_from_gptqs_rounding_and_ends_on_its_grid(
                        "--distill-holdout", "0", "--distill-lr", "1e-4")
     record = json.loads((trained / "distill.json").read_text())
     assert record["start"] == "after GPTQ, under its scales"
+    training = json.loads((trained / "plan.json").read_text())["training"]
+    assert training["start"] == record["start"] and "holdout" not in training
+    assert "started from GPTQ's rounded weights" in (trained / "README.md").read_text()
     assert record["loss_after"] < record["loss_before"]
     # the stored codes move (FP8's grid is the finer: a few steps from GPTQ's grid points
     # flip its codes first); the scales are GPTQ's

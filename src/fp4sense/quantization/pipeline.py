@@ -63,7 +63,8 @@ def quantize_model(
 
     ``distill`` (a :class:`fp4sense.quantization.distill.DistillSettings`) trains the
     planned model to match the unquantized one under the plan's formats (QAD) inside the
-    oneshot, before calibration (the host's QAD modifier, in recipe.yaml too);
+    oneshot (the host's QAD modifier, in recipe.yaml too): after GPTQ, under its scales,
+    with ``gptq``; before calibration without;
     distill.json / distill.png and ``plan.training`` record it, and an interrupted
     training resumes from a state kept beside ``out_dir``.
 
@@ -309,9 +310,12 @@ def _record_training(plan, work: Path, text) -> None:
     plot_training(record, work / "distill.png")
     st = record["settings"]
     plan.training = {"method": "qad", "steps": record["steps"], "text": record["text"],
-                     "windows": st["windows"], "lr": st["lr"], "seed": st["seed"],
+                     "windows": record.get("windows_trained", st["windows"]), "lr": st["lr"],
+                     "seed": st["seed"], "start": record.get("start", "before calibration"),
                      "loss_before": record["loss_before"], "loss_after": record["loss_after"],
                      "rollbacks": len(record["rollbacks"]), "time_s": record["time_s"]}
+    if record.get("holdout"):
+        plan.training["holdout"] = record["holdout"]
     plan.save(work / "plan.json")
 
 

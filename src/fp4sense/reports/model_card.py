@@ -217,14 +217,23 @@ def _training_lines(plan) -> list[str]:
         return []
     rollbacks = (f" The loss rose {t['rollbacks']} time(s); each time training went back to "
                  "its best state with half the learning rate." if t.get("rollbacks") else "")
+    after_gptq = t.get("start", "").startswith("after GPTQ")
+    held = t.get("holdout")
+    ended = (f" The run ended on the state of step {held['step']}, the lowest KL on "
+             f"{held['windows']} held-out windows it did not train on ({held['before']:.4f} "
+             f"before, {held['after']:.4f} after)." if held else "")
+    scales = ("Training started from GPTQ's rounded weights under the scales GPTQ "
+              "calibrated and ended on that grid: the checkpoint stores the trained model."
+              if after_gptq else
+              "The scales were then derived from the trained weights as for any checkpoint.")
     return ["## FP4 training", "",
-            f"After planning, the weights were trained for {t['steps']} steps by "
+            f"After planning{' and GPTQ' if after_gptq else ''}, the weights were trained "
+            f"for {t['steps']} steps by "
             "quantization-aware distillation: the forward pass computed with the plan's "
             "formats (straight-through gradients) and the loss was the KL divergence to the "
             f"unquantized model's next-token distributions on {t['windows']} windows of "
             f"{_text_name(t['text']) if t.get('text') else 'the calibration text'} (learning "
             f"rate {t['lr']:g}, seed {t['seed']}). KL on the first training windows: "
-            f"{t['loss_before']:.4f} before, {t['loss_after']:.4f} after.{rollbacks} The "
-            "scales were then derived from the trained weights as for any checkpoint. "
-            "Curves: `distill.png`, per step: `distill.json`.", "",
+            f"{t['loss_before']:.4f} before, {t['loss_after']:.4f} after.{ended}{rollbacks} "
+            f"{scales} Curves: `distill.png`, per step: `distill.json`.", "",
             "![training](distill.png)", ""]
