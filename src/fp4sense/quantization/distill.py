@@ -57,7 +57,8 @@ from fp4sense.numerics.fakequant import activation_quantizer
 from fp4sense.numerics.schemes import get_scheme
 from fp4sense.quantization.qad_loop import DistillError, train
 
-__all__ = ["DistillBase", "DistillError", "DistillSettings", "Frozen", "base_pass", "distill"]
+__all__ = ["DistillBase", "DistillError", "DistillSettings", "Frozen", "base_pass", "distill",
+           "trained_linears"]
 
 Quantizer = Callable[[torch.Tensor], torch.Tensor]
 
@@ -148,7 +149,7 @@ def distill(model: torch.nn.Module, units: UnitMap, schemes: dict[str, str],
     trained = _trained(units, schemes)
     data = _split(windows, settings).to(next(model.parameters()).device)
     modules = dict(model.named_modules())
-    names = [m for u, _ in trained for m in u.modules]
+    names = trained_linears(units, schemes)
     missing = sorted(set(names) - set(frozen.weights)) if frozen is not None else []
     if missing:
         raise DistillError(f"no fixed-scale quantizer for {missing[:3]}: every trained "
@@ -191,7 +192,7 @@ def base_pass(model: torch.nn.Module, units: UnitMap, schemes: dict[str, str],
     """The unquantized model's outputs the training needs (in float32, as it trains);
     log-probs kept on the CPU."""
     settings.check()
-    names = [m for u, _ in _trained(units, schemes) for m in u.modules]
+    names = trained_linears(units, schemes)
     data = _split(windows, settings).to(next(model.parameters()).device)
     with _float32(model):
         got = _base_pass(model, data, dict(model.named_modules()), names)
@@ -209,6 +210,11 @@ def _split(windows: torch.Tensor, settings: DistillSettings) -> torch.Tensor:
                            "give more calibration windows or hold out fewer "
                            "(--distill-holdout)")
     return use
+
+
+def trained_linears(units: UnitMap, schemes: dict[str, str]) -> list[str]:
+    """The linears QAD trains under the plan ``schemes``: those of every quantized unit."""
+    return [m for u, _ in _trained(units, schemes) for m in u.modules]
 
 
 def _trained(units: UnitMap, schemes: dict[str, str]):

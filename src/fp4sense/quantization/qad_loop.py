@@ -125,15 +125,14 @@ def train(model, data, teacher, params, quantizer, st, state_dir: Path | None, k
     if held is not None:  # end on the state the held-out windows judge best
         for p, v in zip(params, chosen[2], strict=True):
             p.data.copy_(v)
-        loss_after = _mean_kl(model, data, teacher, quantizer)
+    loss_after = _mean_kl(model, data, teacher, quantizer)
+    if held is not None:
         extra["holdout"] = {"windows": len(held[0]), "before": held_before,
                             "after": _held_kl(model, held, quantizer), "step": chosen[1]}
         log(f"distill: ended on the state of step {chosen[1]}, the lowest KL on "
             f"{len(held[0])} held-out windows ({held_before:.4f} -> "
             f"{extra['holdout']['after']:.4f})")
-    else:
-        loss_after = _mean_kl(model, data, teacher, quantizer)
-    if held is None and best is not None and best[1] != step:  # the better of last, best
+    elif best is not None and best[1] != step:  # end on the better of the last and best
         last = [p.detach().clone() for p in params]
         for p, v in zip(params, best[2], strict=True):
             p.data.copy_(v)

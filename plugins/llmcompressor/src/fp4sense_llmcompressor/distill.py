@@ -27,7 +27,6 @@ Either way the checkpoint is the one a plain recipe writes::
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict
 
 import torch
 from compressed_tensors.quantization import disable_quantization, enable_quantization
@@ -37,13 +36,14 @@ from llmcompressor.modifiers import Modifier
 from pydantic import PrivateAttr
 
 from fp4sense.diagnosis.units import find_units, model_fingerprint
-from fp4sense.numerics.schemes import get_scheme, menu_name_of
+from fp4sense.numerics.schemes import menu_name_of
 from fp4sense.quantization.distill import (
     DistillError,
     DistillSettings,
     Frozen,
     base_pass,
     distill,
+    trained_linears,
 )
 from fp4sense_llmcompressor.modifier import _calibration_windows
 
@@ -105,7 +105,6 @@ class QuantizationAwareDistillationModifier(Modifier):
                                "base": base_pass(*args)}
             else:
                 self._record = distill(*args, state_dir=self.state_dir, key=key)
-                self._record["settings"] = asdict(settings)
         return True
 
     def on_finalize(self, state: State, **kwargs) -> bool:
@@ -114,8 +113,7 @@ class QuantizationAwareDistillationModifier(Modifier):
         later, self._later = self._later, None
         model, units, schemes, windows, settings = later["args"]
         modules = dict(model.named_modules())
-        names = [m for u in units.units if get_scheme(schemes[u.name]).quantizes
-                 for m in u.modules]
+        names = trained_linears(units, schemes)
         frozen = Frozen(
             weights={m: _fixed(modules[m], "weight", "weights") for m in names},
             inputs={m: _fixed(modules[m], "input", "input_activations") for m in names
@@ -128,7 +126,6 @@ class QuantizationAwareDistillationModifier(Modifier):
                                        base=later["base"], frozen=frozen)
         finally:
             model.apply(enable_quantization)
-        self._record["settings"] = asdict(settings)
         return True
 
     @contextlib.contextmanager
