@@ -4,11 +4,14 @@ QAD after GPTQ starts with every weight on GPTQ's grid, under GPTQ's fixed scale
 code changes only when its weight moves half a grid step, and AdamW moves a weight by
 about the learning rate per step. This runs `fp4sense quantize --gptq --distill STEPS`
 on the bundled SmolLM2 (W4A4 menu at 5.0 bits by default, planned from the stack
-benchmark's shared estimate) for each learning rate and reports QAD's own KL before and
-after on its training windows, the share of stored weight codes that differ from the
-untrained GPTQ checkpoint's, and the time; no evaluation text is read.
+benchmark's shared estimate) for each learning rate and each factor on the 4-bit units'
+rate (``--lr-4bit``: their grid steps are several times FP8's), and reports QAD's own KL
+before and after on its training windows and on held-out calibration windows, the share
+of stored weight codes that differ from the untrained GPTQ checkpoint's, and the time; no
+evaluation text is read.
 
-    .venv/bin/python bench/qad_lr.py --lrs 5e-5,5e-4 [--menu NVFP4A16,FP8_DYNAMIC,BF16]
+    .venv/bin/python bench/qad_lr.py --lrs 5e-5,5e-4 [--lr-4bit 1,4] [--holdout 4]
+        [--menu NVFP4A16,FP8_DYNAMIC,BF16]
 
 Results: bench/results/qad_lr.json.
 """
@@ -29,6 +32,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lrs", default="5e-5,5e-4")
+    parser.add_argument("--lr-4bit", default="1")
+    parser.add_argument("--holdout", type=int, default=0)
     parser.add_argument("--menu", default="NVFP4,FP8_DYNAMIC,BF16")
     parser.add_argument("--budget", type=float, default=5.0)
     parser.add_argument("--steps", type=int, default=16)
@@ -46,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     menu = args.menu.split(",")
     rows = []
     with tempfile.TemporaryDirectory(prefix="fp4sense-qad-lr-") as tmp:
-        def run(name: str, lr: float | None) -> tuple[Path, float]:
-            distill = (DistillSettings(steps=args.steps, lr=lr, windows=args.qad_windows)
+        def run(name: str, lr: float | None, factor: float = 1.0) -> tuple[Path, float]:
+            distill = (DistillSettings(steps=args.steps, lr=lr, lr_4bit=factor,
+                                       windows=args.qad_windows, holdout=args.holdout)
                        if lr is not None else None)
             t = time.perf_counter()
             quantize_model(None, out_dir=Path(tmp) / name, budget_bits=args.budget, menu=menu,
@@ -58,17 +64,20 @@ def main(argv: list[str] | None = None) -> int:
         gptq, gptq_s = run("gptq", None)
         base = load_file(gptq / "model.safetensors")
         codes = [k for k in base if k.endswith(("weight_packed", "proj.weight"))]
-        for lr in (float(x) for x in args.lrs.split(",")):
-            folder, wall = run(f"lr{lr:g}", lr)
+        pairs = [(float(lr), float(f)) for lr in args.lrs.split(",")
+                 for f in args.lr_4bit.split(",")]
+        for lr, factor in pairs:
+            folder, wall = run(f"lr{lr:g}x{factor:g}", lr, factor)
             record = json.loads((folder / "distill.json").read_text())
             got = load_file(folder / "model.safetensors")
             moved = {kind: _changed([k for k in codes if k.endswith(kind)], base, got)
                      for kind in ("weight_packed", "proj.weight")}
-            row = {"lr": lr, "loss_before": record["loss_before"],
+            row = {"lr": lr, "lr_4bit": factor, "loss_before": record["loss_before"],
                    "loss_after": record["loss_after"], "rollbacks": len(record["rollbacks"]),
                    "changed_fp4_bytes": moved["weight_packed"],
                    "changed_fp8_codes": moved["proj.weight"],
-                   "qad_s": record["time_s"], "wall_s": round(wall, 1)}
+                   "holdout": record.get("holdout"), "qad_s": record["time_s"],
+                   "wall_s": round(wall, 1)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     args.out.write_text(json.dumps({"params": {**vars(args), "out": None,

@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--menus", default=",".join(MENUS))
     parser.add_argument("--steps", type=int, default=64, help="QAD steps")
     parser.add_argument("--lr", type=float, default=5e-5, help="QAD learning rate")
+    parser.add_argument("--lr-4bit", type=float, default=1.0,
+                        help="factor on QAD's learning rate for the 4-bit units")
     parser.add_argument("--qad-windows", type=int, default=28)
     parser.add_argument("--qad-holdout", type=int, default=4,
                         help="calibration windows QAD holds out to choose its end state")
@@ -166,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": "python bench/stack.py " + shlex.join(argv or sys.argv[1:]),
               "protocol": {"estimate_windows": 8, "calib_windows": 32, "eval_windows": 16,
                            "window_tokens": 512, "qad_steps": args.steps, "qad_lr": args.lr,
+                           "qad_lr_4bit": args.lr_4bit,
                            "qad_windows": args.qad_windows, "qad_holdout": args.qad_holdout},
               "base_ppl": base_ppl, "analysis_s": done.get("analysis", {}).get("wall_s"),
               "analysis_schemes": schemes, "plain_nvfp4_oneshot_s": plain_s, "rows": rows,
@@ -225,8 +228,8 @@ def checkpoint(key, folder, calib, report_path, args, *, budget_bits, menu, gptq
     from fp4sense.api import quantize_model
     from fp4sense.quantization.distill import DistillSettings
 
-    distill = DistillSettings(steps=args.steps, lr=args.lr, windows=args.qad_windows,
-                              holdout=args.qad_holdout) if qad else None
+    distill = DistillSettings(steps=args.steps, lr=args.lr, lr_4bit=args.lr_4bit,
+                              windows=args.qad_windows, holdout=args.qad_holdout) if qad else None
     t = time.perf_counter()
     result = quantize_model(None, out_dir=folder, budget_bits=budget_bits, menu=menu,
                             sensitivity=None if own_analysis else report_path,
@@ -245,6 +248,7 @@ def checkpoint(key, folder, calib, report_path, args, *, budget_bits, menu, gptq
         item["qad"]["rollbacks"] = len(record["rollbacks"])
         item["qad"]["holdout"] = record.get("holdout")
         item["qad"]["lr"] = record["settings"]["lr"]
+        item["qad"]["lr_4bit"] = record["settings"]["lr_4bit"]
     return item
 
 
@@ -315,18 +319,19 @@ def write_markdown(result: dict, path: Path) -> None:
                          f"{r['kl_se']:.4f} | {r['ppl']:.2f} | {r['top1']:.3f} | {r['eval']} | "
                          + (f"{r['wall_s']:.0f} |" if r["eval"] == "checkpoint" else "– |"))
         lines.append("")
-    lines += ["## QAD", "", "| row | starts | learning rate | windows trained | held out (KL "
-              "before → after, end step) | training KL before → after |",
+    lines += ["## QAD", "", "| row | starts | learning rate (× on 4-bit units) | windows "
+              "trained | held out (KL before → after, end step) | training KL before → after |",
               "|---|---|---|---|---|---|"]
     for r in (r for r in result["rows"] if r.get("qad")):
         # rows written before these were recorded: before calibration, 32 windows, none
-        # held out, learning rate 5e-5 (the settings of every QAD row then)
+        # held out, learning rate 5e-5 and one rate for all units (every QAD row's then)
         q = {"start": "before calibration", "windows_trained": 32, "holdout": None,
-             "lr": 5e-5, **r["qad"]}
+             "lr": 5e-5, "lr_4bit": 1.0, **r["qad"]}
         h = q["holdout"]
         held = (f"{h['windows']} ({h['before']:.4f} → {h['after']:.4f}, step {h['step']})"
                 if h else "none")
-        lines.append(f"| {r['menu']} {r['method']} | {q['start']} | {q['lr']:g} | "
+        lines.append(f"| {r['menu']} {r['method']} | {q['start']} | {q['lr']:g} "
+                     f"(× {q['lr_4bit']:g}) | "
                      f"{q['windows_trained']} | "
                      f"{held} | {q['loss_before']:.4f} → {q['loss_after']:.4f} |")
     lines += ["", "## Targets", "", "| menu | target | best | met |", "|---|---|---|---|"]

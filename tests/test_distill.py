@@ -62,8 +62,8 @@ def test_qad_rolls_back_a_diverging_run(tiny_llama):
 
 
 def test_interrupted_qad_resumes_to_the_same_weights(tiny_llama, tmp_path, monkeypatch):
-    settings = DistillSettings(steps=8, lr=1e-3, windows=4, check_every=2, save_every=4,
-                               rescale_every=3)
+    settings = DistillSettings(steps=8, lr=1e-3, lr_4bit=2.0, windows=4, check_every=2,
+                               save_every=4, rescale_every=3)  # two parameter groups
     model, units, schemes, windows, _ = _setup(tiny_llama)
     distill(model, units, schemes, windows, settings, progress=False)
     straight = _weights(model)
@@ -93,10 +93,33 @@ def test_interrupted_qad_resumes_to_the_same_weights(tiny_llama, tmp_path, monke
 
 
 @pytest.mark.parametrize("bad", [{"steps": 0}, {"steps": -3}, {"steps": 5, "lr": 0.0},
-                                 {"steps": 5, "save_every": 7}, {"steps": 5, "holdout": -1}])
+                                 {"steps": 5, "save_every": 7}, {"steps": 5, "holdout": -1},
+                                 {"steps": 5, "lr_4bit": 0.0}])
 def test_bad_settings_are_one_clear_error(bad):
     with pytest.raises(DistillError):
         DistillSettings(**bad).check()
+
+
+def test_the_4bit_factor_scales_only_the_4bit_units_learning_rate(tiny_llama):
+    """lr_4bit multiplies the learning rate of the linears with 4-bit weights only: at a
+    base rate of 1e-12 (an AdamW step moves a weight by about the rate) the NVFP4 units
+    train at 3e-5 and the FP8 units move by no more than rounding of the 1e-12 steps."""
+    model, units, schemes, windows, _ = _setup(tiny_llama)
+    before = _weights(model)
+    record = distill(model, units, schemes, windows,
+                     DistillSettings(steps=12, lr=1e-12, lr_4bit=3e7, windows=4, check_every=4,
+                                     save_every=4, rescale_every=4), progress=False)
+    assert record["settings"]["lr_4bit"] == 3e7 and not record["rollbacks"]
+    assert record["loss_after"] < record["loss_before"]
+    after = _weights(model)
+    by_name = units.by_name()
+    for unit, scheme in schemes.items():
+        keys = [f"{m}.weight" for m in by_name[unit].modules]
+        moved = max(float((after[k] - before[k]).abs().max()) for k in keys)
+        if scheme.startswith("NVFP4"):
+            assert moved > 1e-6, unit
+        else:
+            assert moved < 1e-9, (unit, scheme)
 
 
 def test_held_out_windows_choose_the_state_the_run_ends_on(tiny_llama):

@@ -135,6 +135,9 @@ def quantize_args(p: argparse.ArgumentParser) -> None:
                         "one for STEPS steps (quantization-aware distillation)")
     p.add_argument("--distill-lr", type=positive_float, default=5e-5,
                    help="distillation learning rate")
+    p.add_argument("--distill-lr-4bit", type=positive_float, default=1.0, metavar="FACTOR",
+                   help="factor on the learning rate for units with 4-bit weights, whose "
+                        "grid steps are coarser (default 1)")
     p.add_argument("--distill-windows", type=positive_int, default=16,
                    help="calibration windows the distillation trains on")
     p.add_argument("--distill-holdout", type=int, default=4, metavar="N",

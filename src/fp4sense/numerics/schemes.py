@@ -67,6 +67,11 @@ class Scheme:
         return self.weight_format in ("nvfp4", "mxfp4")
 
     @property
+    def weight_bits(self) -> int | None:
+        """Bits of one weight code (None: left alone)."""
+        return None if self.weight_format is None else 4 if self.weight_format[-1] == "4" else 8
+
+    @property
     def block_size(self) -> int | None:
         """Input-dimension granularity the weight format needs (None: any size)."""
         if self.is_fp4:

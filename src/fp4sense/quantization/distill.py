@@ -69,6 +69,7 @@ class DistillSettings:
 
     steps: int
     lr: float = 5e-5
+    lr_4bit: float = 1.0  # x lr for units with 4-bit weights (their grid steps are coarser)
     seed: int = 0
     windows: int = 16  # calibration windows trained on (base log-probs kept in memory)
     holdout: int = 0  # further windows, not trained on, that choose the state it ends on
@@ -83,6 +84,9 @@ class DistillSettings:
                                f"{self.steps!r}; give e.g. --distill 100")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise DistillError(f"the distillation learning rate must be positive, got {self.lr}")
+        if not (self.lr_4bit > 0 and math.isfinite(self.lr_4bit)):
+            raise DistillError(f"the 4-bit units' learning-rate factor must be positive, got "
+                               f"{self.lr_4bit}")
         if not isinstance(self.holdout, int) or self.holdout < 0:
             raise DistillError(f"the held-out windows must be a whole number, 0 or more, got "
                                f"{self.holdout!r}")
@@ -162,13 +166,16 @@ def distill(model: torch.nn.Module, units: UnitMap, schemes: dict[str, str],
         if base is None:
             base = _base_pass(model, data, modules, names)
         params, hooks = _install(model, modules, trained, base.absmax, frozen)
+        lr_scales = [settings.lr_4bit if scheme.weight_bits == 4 else 1.0
+                     for unit, scheme in trained for _ in unit.modules]
         quantizer = (_FrozenQuantizer(modules, names, frozen.weights) if frozen is not None
                      else _Quantizer(modules, trained, base.importance))
         n = len(data) - settings.holdout  # trained on the first n, judged on the rest
         held = (data[n:], base.teacher[n:]) if settings.holdout else None
         try:
             record = train(model, data[:n], base.teacher[:n], params, quantizer, settings,
-                           Path(state_dir) if state_dir else None, key, progress, log, held)
+                           Path(state_dir) if state_dir else None, key, progress, log, held,
+                           lr_scales)
             done = True
         finally:
             for h in hooks:

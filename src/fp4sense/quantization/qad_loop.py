@@ -41,10 +41,12 @@ def _held_kl(model, held, quantizer) -> float:
 
 
 def train(model, data, teacher, params, quantizer, st, state_dir: Path | None, key: str,
-          progress: bool, log, held: tuple | None = None) -> dict:
+          progress: bool, log, held: tuple | None = None,
+          lr_scales: list[float] | None = None) -> dict:
     """Train ``params``; with ``held`` (windows, their base log-probs) every checked state
     is judged on those windows too and the run ends on the lowest there (the starting
-    state included), so it never ends worse on them than it began."""
+    state included), so it never ends worse on them than it began. ``lr_scales``
+    (parallel to ``params``) multiply the learning rate per tensor."""
     gen = torch.Generator().manual_seed(st.seed)
     order = [int(i) for _ in range(-(-st.steps // len(data)))
              for i in torch.randperm(len(data), generator=gen)]
@@ -66,7 +68,8 @@ def train(model, data, teacher, params, quantizer, st, state_dir: Path | None, k
         best, quantizer.scales = saved["best"], saved["scales"]
         chosen = saved.get("chosen", chosen)
         log(f"distill: resumed at step {step} of {st.steps} from {state_dir / STATE_FILE}")
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    groups = _groups(params, lr_scales)
+    opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
     if saved is not None:
         opt.load_state_dict(saved["opt"])
     bar = tqdm(total=st.steps, initial=step, desc="distill", disable=not progress)
@@ -76,8 +79,9 @@ def train(model, data, teacher, params, quantizer, st, state_dir: Path | None, k
         if not window_losses:  # a window's losses judge the state it began with
             start = (step, [p.detach().clone() for p in params])
         quantizer.refresh(search=step % st.rescale_every == 0)
+        now = lr * 0.5 * (1 + math.cos(math.pi * step / st.steps))  # the base learning rate
         for group in opt.param_groups:
-            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / st.steps))
+            group["lr"] = group["scale"] * now
         opt.zero_grad(set_to_none=True)
         i = order[step]
         loss = _kl(model, data[i], teacher[i])
@@ -87,11 +91,11 @@ def train(model, data, teacher, params, quantizer, st, state_dir: Path | None, k
         if math.isfinite(value) and math.isfinite(norm):
             opt.step()
         step += 1
-        for k, v in zip(hist, (step, value, norm, opt.param_groups[0]["lr"]), strict=True):
+        for k, v in zip(hist, (step, value, norm, now), strict=True):
             hist[k].append(v)
         window_losses.append(value)
         bar.update(1)
-        bar.set_postfix(loss=f"{value:.4f}", lr=f"{opt.param_groups[0]['lr']:.1e}")
+        bar.set_postfix(loss=f"{value:.4f}", lr=f"{now:.1e}")
         diverged = not (math.isfinite(value) and math.isfinite(norm))
         if len(window_losses) == st.check_every or diverged or step == st.steps:
             mean = sum(window_losses) / len(window_losses)
@@ -111,7 +115,7 @@ def train(model, data, teacher, params, quantizer, st, state_dir: Path | None, k
                 for p, v in zip(params, best[2], strict=True):
                     p.data.copy_(v)
                 lr /= 2
-                opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+                opt = torch.optim.AdamW(_groups(params, lr_scales), lr=lr, weight_decay=0.0)
                 what = "was not finite" if diverged else f"rose to {mean:.4f}"
                 rollbacks.append({"step": step, "to_step": best[1], "lr": lr,
                                   "why": what})
@@ -148,6 +152,13 @@ def train(model, data, teacher, params, quantizer, st, state_dir: Path | None, k
         f"{loss_after:.4f}" + (f", {len(rollbacks)} rollback(s)" if rollbacks else ""))
     return {"steps": st.steps, "loss_before": loss_before, "loss_after": loss_after,
             "rollbacks": rollbacks, "history": hist, **extra}
+
+
+def _groups(params, lr_scales) -> list[dict]:
+    """AdamW parameter groups, one per learning-rate factor (``scale``)."""
+    scales = lr_scales or [1.0] * len(params)
+    return [{"params": [p for p, s in zip(params, scales, strict=True) if s == scale],
+             "scale": scale} for scale in sorted(set(scales))]
 
 
 def _save_state(state_dir: Path, key, st, params, opt, step, lr, hist, rollbacks, best,

@@ -55,6 +55,8 @@ class QuantizationAwareDistillationModifier(Modifier):
 
     :param steps: optimizer steps (one calibration window each)
     :param lr: AdamW learning rate (cosine schedule to zero)
+    :param lr_4bit: factor on ``lr`` for the linears with 4-bit weights (NVFP4, MXFP4,
+        INT4), whose grid steps are several times FP8's
     :param seed: which calibration windows, and their order
     :param windows: calibration samples trained on (their base log-probs stay in memory)
     :param holdout: further calibration samples, not trained on, that choose the state
@@ -66,6 +68,7 @@ class QuantizationAwareDistillationModifier(Modifier):
 
     steps: int
     lr: float = 5e-5
+    lr_4bit: float = 1.0
     seed: int = 0
     windows: int = 16
     holdout: int = 0
@@ -89,9 +92,9 @@ class QuantizationAwareDistillationModifier(Modifier):
     def on_initialize(self, state: State, **kwargs) -> bool:
         model = state.model
         settings = DistillSettings(
-            steps=self.steps, lr=self.lr, seed=self.seed, windows=self.windows,
-            holdout=self.holdout, check_every=self.check_every, rise=self.rise,
-            rescale_every=self.rescale_every, save_every=self.save_every)
+            steps=self.steps, lr=self.lr, lr_4bit=self.lr_4bit, seed=self.seed,
+            windows=self.windows, holdout=self.holdout, check_every=self.check_every,
+            rise=self.rise, rescale_every=self.rescale_every, save_every=self.save_every)
         settings.check()
         windows = _training_windows(state, self.windows + self.holdout, self.seed)
         units = find_units(model, windows[:1, :16])
