@@ -164,6 +164,37 @@ def test_streamed_memory_is_said_and_refused_when_it_will_not_fit(tmp_path, monk
     assert all(p.numel() > 0 for p in model.parameters())  # the model got its weights back
 
 
+_FRAGMENTS = textwrap.dedent('''
+    import sys, torch
+    from fp4sense.runtime.memory import map_large_allocations
+    if sys.argv[1] == "1":
+        assert map_large_allocations()
+    torch.empty(1 << 22).fill_(1.0)  # a 16 MiB tensor, freed: glibc raises its threshold
+    large, small = [], []
+    for _ in range(64):  # 4 MiB tensors, each followed by a small one that stays
+        large.append(torch.ones(1 << 20))
+        small.append(torch.ones(16))
+    del large
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            print(int(line.split()[1]) // 1024)
+''')
+
+
+@pytest.mark.skipif(not __import__("fp4sense.runtime.memory", fromlist=["_libc"])._libc(),
+                    reason="glibc's allocator only")
+def test_freed_large_tensors_leave_memory_when_allocations_are_mapped():
+    """What a streamed block's temporaries do: 256 MiB of 4 MiB tensors freed between
+    small tensors that stay. glibc keeps them resident once a freed tensor has raised its
+    mmap threshold; with ``map_large_allocations`` (the block store sets it) they go."""
+    rss = {}
+    for mapped in ("0", "1"):
+        out = subprocess.run([sys.executable, "-c", _FRAGMENTS, mapped], capture_output=True,
+                             text=True, check=True)
+        rss[mapped] = int(out.stdout.split()[-1])
+    assert rss["0"] - rss["1"] >= 200, rss  # MiB
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2", "phi3"])
 def test_low_memory_reads_blocks_from_the_model_files(family, assets, tmp_path):
     """``load_model(low_memory=True)`` loads the weights outside the blocks only; each

@@ -73,33 +73,33 @@ class Analysis:
         self.quant_out: tuple[str, list[list], dict] | None = None
 
     def quantized(self, unit: Unit, scheme: str) -> list[torch.Tensor]:
-        """The unit's fake-quantized weights (the last used kept, ``qweight_limit`` bytes in
-        all)."""
+        """The unit's fake-quantized weights, in the model's dtype (the last used kept, in
+        bf16, ``qweight_limit`` bytes in all)."""
+        return [w.to(self.original[m].dtype)
+                for w, m in zip(self._kept(unit, scheme), unit.modules, strict=True)]
+
+    def _quantized_one(self, unit: Unit, scheme: str, index: int) -> torch.Tensor:
+        """One of the unit's fake-quantized weights (only that one in the model's dtype)."""
+        return self._kept(unit, scheme)[index].to(self.original[unit.modules[index]].dtype)
+
+    def _kept(self, unit: Unit, scheme: str) -> list[torch.Tensor]:
         kept = self.qweights.get((unit, scheme))
         if kept is not None:
             self.qweights.move_to_end((unit, scheme))
-            return [w.to(self.original[m].dtype) for w, m in zip(kept, unit.modules,
-                                                                  strict=True)]
+            return kept
         imps = [self.importance.get(m) for m in unit.modules]
+        # quantized in bf16 (the checkpoint's dtype), so bf16 holds them exactly
         ws = quantize_unit(scheme, unit, [self.original[m] for m in unit.modules],
-                           importance=imps if any(i is not None for i in imps) else None)
-        # quantized in bf16, so bf16 keeps them exactly at half the memory of float32
-        compact = [w.to(torch.bfloat16) for w in ws]
-        if all(torch.equal(c.to(w.dtype), w) for c, w in zip(compact, ws, strict=True)):
-            ws_kept = compact
-        else:  # pragma: no cover - a model whose weights are not bf16-derived
-            ws_kept = ws
-        size = sum(w.numel() * w.element_size() for w in ws_kept)
+                           importance=imps if any(i is not None for i in imps) else None,
+                           out_dtype=torch.bfloat16)
+        size = sum(w.numel() * w.element_size() for w in ws)
         if size <= self.qweight_limit:  # the least recently used make room
             while self.qweights and self.qweight_bytes + size > self.qweight_limit:
                 _, old = self.qweights.popitem(last=False)
                 self.qweight_bytes -= sum(w.numel() * w.element_size() for w in old)
-            self.qweights[(unit, scheme)] = ws_kept
+            self.qweights[(unit, scheme)] = ws
             self.qweight_bytes += size
         return ws
-
-    def _quantized_one(self, unit: Unit, scheme: str, index: int) -> torch.Tensor:
-        return self.quantized(unit, scheme)[index]
 
     # --- base pass: block outputs, base log-probs, activation statistics ---------------
     @torch.no_grad()

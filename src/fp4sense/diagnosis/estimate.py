@@ -63,7 +63,7 @@ class _Scorer:
 
     def _weight(self, name: str, scheme: str) -> torch.Tensor:
         unit = self.unit_of[name]
-        return self.run.quantized(unit, scheme)[unit.modules.index(name)]
+        return self.run._quantized_one(unit, scheme, unit.modules.index(name))
 
     def install(self, names: Sequence[str]) -> list:
         return [self.run.modules[m].register_forward_hook(self._forward(m)) for m in names]

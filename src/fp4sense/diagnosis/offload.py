@@ -40,6 +40,9 @@ class BlockStore:
                  dtype: torch.dtype | None = None):
         from safetensors.torch import save_file
 
+        from fp4sense.runtime.memory import map_large_allocations
+
+        map_large_allocations()  # freed block temporaries leave memory, not the heap
         self.blocks = model.get_submodule(blocks_path)
         self.prefix = blocks_path
         self.device = torch.device(device)

@@ -16,7 +16,10 @@ llm-compressor's calibration machinery, the same numbers a checkpoint would carr
   absolute maximum over the analysis text (as llm-compressor calibrates it).
 
 Weights are quantized in the checkpoint dtype (bf16 by default, what llm-compressor
-loads) and handed back in the model's dtype.
+loads) and handed back in the model's dtype, a slice of rows at a time: every weight
+format here scales per row or per block within a row (the NVFP4 global scale is taken
+from the whole group first), so the slices give the same bits as the whole tensor, and
+the temporaries of a large weight stay the size of a slice.
 """
 
 from __future__ import annotations
@@ -29,6 +32,21 @@ from fp4sense.numerics import formats, fp4
 from fp4sense.numerics.schemes import Scheme, get_scheme, to_quantization_scheme
 
 __all__ = ["activation_quantizer", "quantize_weights", "searched_scales"]
+
+#: elements of one weight quantized at once (bounds the temporaries, not the result)
+ROW_SLICE_ELEMENTS = 1 << 20
+
+
+def _by_rows(weight: torch.Tensor, fn: Callable[[slice], torch.Tensor],
+             out_dtype: torch.dtype) -> torch.Tensor:
+    """``fn(rows)`` over slices of ``weight``'s rows, written into one ``out_dtype`` result."""
+    step = max(1, ROW_SLICE_ELEMENTS // max(1, weight[0].numel()))
+    if weight.shape[0] <= step:
+        return fn(slice(None)).to(out_dtype)
+    out = torch.empty(weight.shape, dtype=out_dtype, device=weight.device)
+    for r in range(0, weight.shape[0], step):
+        out[r:r + step] = fn(slice(r, r + step))
+    return out
 
 
 def _minmax_qdq(weight: torch.Tensor, args) -> torch.Tensor:
@@ -55,8 +73,10 @@ def quantize_weights(
     dtype: torch.dtype = torch.bfloat16,
     importance: Sequence[torch.Tensor | None] | None = None,
     block_scales: Sequence[torch.Tensor] | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
-    """Fake-quantized copies of ``weights`` (the parts of one unit) under ``scheme``.
+    """Fake-quantized copies of ``weights`` (the parts of one unit) under ``scheme``, in
+    ``out_dtype`` (default: each weight's own).
 
     The parts of a fused group are passed together: NVFP4 gives them one global scale.
     ``importance`` (one (in,) E[x^2] per part, or None) weights the block-scale search of
@@ -65,22 +85,22 @@ def quantize_weights(
     searching again.
     """
     s = get_scheme(scheme)
-    out_dtype = [w.dtype for w in weights]
+    out_dtype = [out_dtype or w.dtype for w in weights]
     ws = [w.detach().to(dtype) for w in weights]
     if s.weight_format is None:
-        result = ws
-    elif s.is_fp4:
+        return [w.to(d) for w, d in zip(ws, out_dtype, strict=True)]
+    if s.is_fp4:
         fmt = formats.get_format(s.weight_format)
         gs = formats.global_scale(*ws) if fmt.has_global_scale else None
         if s.scale_search and block_scales is None:
             block_scales = _search(ws, fmt, gs, importance)
         given = list(block_scales) if s.scale_search else [None] * len(ws)
-        result = [fp4.quantize_dequantize(w, fmt, global_scale=gs, scales=scales)
-                  for w, scales in zip(ws, given, strict=True)]
-    else:
-        args = to_quantization_scheme(s, ["Linear"]).weights
-        result = [_minmax_qdq(w, args) for w in ws]
-    return [r.to(d) for r, d in zip(result, out_dtype, strict=True)]
+        return [_by_rows(w, lambda rows, w=w, sc=sc: fp4.quantize_dequantize(
+                    w[rows], fmt, global_scale=gs, scales=None if sc is None else sc[rows]), d)
+                for w, sc, d in zip(ws, given, out_dtype, strict=True)]
+    args = to_quantization_scheme(s, ["Linear"]).weights
+    return [_by_rows(w, lambda rows, w=w: _minmax_qdq(w[rows], args), d)
+            for w, d in zip(ws, out_dtype, strict=True)]
 
 
 def searched_scales(
@@ -104,7 +124,11 @@ def _search(ws, fmt, gs, importance) -> list[torch.Tensor]:
     from fp4sense.numerics.scale_search import search_block_scales
 
     imps = list(importance) if importance is not None else [None] * len(ws)
-    return [search_block_scales(w, fmt, gs, imp) for w, imp in zip(ws, imps, strict=True)]
+    # per block, so per slice of rows (the global scale is the whole group's)
+    return [torch.cat([search_block_scales(w[r:r + step], fmt, gs, imp)
+                       for r in range(0, w.shape[0], step)])
+            for w, imp in zip(ws, imps, strict=True)
+            for step in [max(1, ROW_SLICE_ELEMENTS // max(1, w[0].numel()))]]
 
 
 def activation_quantizer(

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["GiB", "available_bytes", "check_fits", "return_freed_memory"]
+__all__ = ["GiB", "available_bytes", "check_fits", "map_large_allocations",
+           "return_freed_memory"]
 
 GiB = 2**30
 
@@ -34,12 +35,34 @@ def check_fits(need: int, what: str, fix: str, log=print) -> None:
                          f"available; {fix}")
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MAPPED_ABOVE = 128 * 1024  # glibc's own starting threshold
+
+
+def map_large_allocations() -> bool:
+    """Have glibc give every allocation above 128 KiB its own mapping, returned to the
+    operating system when freed. Left alone, glibc raises that threshold each time such a
+    tensor is freed (up to 32 MiB) and serves the next ones from its heap, where freed
+    tensors stay resident between trims: a run that streams decoder blocks then holds the
+    fragments of a block's temporaries on top of the block (bench/scaling.py measures the
+    difference). Setting it fixes the threshold for the process. A no-op where libc is not
+    glibc."""
+    lib = _libc()
+    return bool(lib and lib.mallopt(M_MMAP_THRESHOLD, MAPPED_ABOVE))
+
+
 def return_freed_memory() -> bool:
     """Give memory freed inside the process back to the operating system (glibc's
     ``malloc_trim``): tensors freed when a decoder block is dropped otherwise stay in the
     allocator's heap, and the process's resident memory ratchets up block after block.
     Costs page faults when the memory is needed again (bench/scaling.py measures it). A
     no-op where libc is not glibc."""
+    lib = _libc()
+    return bool(lib and lib.malloc_trim(0))
+
+
+def _libc():
+    """glibc through ctypes, or False where the C library is another."""
     global _LIBC
     if _LIBC is None:
         import ctypes
@@ -48,9 +71,10 @@ def return_freed_memory() -> bool:
         try:
             _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             _LIBC.malloc_trim  # noqa: B018 - glibc only
+            _LIBC.mallopt  # noqa: B018
         except (OSError, AttributeError):
             _LIBC = False
-    return bool(_LIBC and _LIBC.malloc_trim(0))
+    return _LIBC
 
 
 _LIBC = None
