@@ -76,6 +76,32 @@ def test_offloaded_estimate_holds_one_block_and_matches(tmp_path):
     assert offloaded == reference
 
 
+def test_offloaded_originals_use_the_loaded_block_and_never_a_perturbed_one(tmp_path):
+    """The unquantized weight of a linear whose block is in memory is that block's
+    parameter (no second copy read from disk); one loaded with a perturbation, or
+    overridden since, is read from the file."""
+    model = _model(tmp_path / "m")
+    windows = _windows()
+    units = find_units(model, windows[:1, :16])
+    run = Analysis(model, windows, units, EntryCache(None), False, tmp_path / "off")
+    store, name = run.store, units.units[0].modules[0]
+    param = model.get_submodule(name).weight
+    try:
+        stored = store.tensor(f"{name}.weight")
+        store._load(0)
+        assert run.original[name].data_ptr() == param.data_ptr()
+        store.overrides[f"{name}.weight"] = torch.zeros_like(stored)
+        assert torch.equal(run.original[name], stored)
+        store._drop(0)
+        store._load(0)  # now holding the perturbation
+        store.overrides.clear()
+        assert not param.any() and torch.equal(run.original[name], stored)
+    finally:
+        store.overrides.clear()
+        store.close()
+    assert torch.equal(param, stored)
+
+
 def test_streamed_weight_cache_holds_one_block_per_scheme_and_never_requantizes(
         tmp_path, monkeypatch):
     """A streamed estimate keeps the fake-quantized weights of one block per scheme (flat

@@ -54,6 +54,7 @@ class BlockStore:
             self.folder.mkdir(parents=True, exist_ok=True)
         self.overrides: dict[str, torch.Tensor] = {}
         self.loaded: set[int] = set()
+        self.perturbed: set[str] = set()  # loaded parameters that hold an override
         self.handles = []
         for i, block in enumerate(self.blocks):
             if files is None:
@@ -102,7 +103,17 @@ class BlockStore:
                         value = value()
                     params[name].data = (value if value is not None
                                          else self._cast(fh.get_tensor(key)))
+                    (self.perturbed.add if value is not None else self.perturbed.discard)(full)
         self.loaded.add(i)
+
+    def original(self, full_name: str) -> torch.Tensor:
+        """A block parameter's stored value: the loaded one when its block is in memory
+        and no perturbation overrides it (no second copy), else read from the file."""
+        index, _, rest = full_name[len(self.prefix) + 1:].partition(".")
+        if (index.isdigit() and int(index) in self.loaded and full_name not in self.perturbed
+                and full_name not in self.overrides):
+            return self.blocks[int(index)].get_parameter(rest).data
+        return self.tensor(full_name)
 
     def _drop(self, i: int) -> None:
         from fp4sense.runtime.memory import return_freed_memory
@@ -148,5 +159,5 @@ class Originals(dict):
 
     def __missing__(self, name: str) -> torch.Tensor:
         if self.store is not None:
-            return self.store.tensor(f"{name}.weight")
+            return self.store.original(f"{name}.weight")
         return self.modules[name].weight.data
