@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from fp4sense.diagnosis.stats import mean_se
 from fp4sense.diagnosis.units import Unit, UnitMap, quantize_unit
 from fp4sense.evaluation.metrics import window_metrics
 from fp4sense.numerics.fakequant import activation_quantizer
+from fp4sense.runtime.memory import mapped_allocations
 
 __all__ = ["Analysis", "Perturbation"]
 
@@ -88,10 +89,12 @@ class Analysis:
             self.qweights.move_to_end((unit, scheme))
             return kept
         imps = [self.importance.get(m) for m in unit.modules]
-        # quantized in bf16 (the checkpoint's dtype), so bf16 holds them exactly
-        ws = quantize_unit(scheme, unit, [self.original[m] for m in unit.modules],
-                           importance=imps if any(i is not None for i in imps) else None,
-                           out_dtype=torch.bfloat16)
+        # streamed: the temporaries leave memory when freed (a block's worth at a time)
+        with mapped_allocations() if self.store is not None else nullcontext():
+            # quantized in bf16 (the checkpoint's dtype), so bf16 holds them exactly
+            ws = quantize_unit(scheme, unit, [self.original[m] for m in unit.modules],
+                               importance=imps if any(i is not None for i in imps) else None,
+                               out_dtype=torch.bfloat16)
         size = sum(w.numel() * w.element_size() for w in ws)
         if size <= self.qweight_limit:  # the least recently used make room
             while self.qweights and self.qweight_bytes + size > self.qweight_limit:

@@ -40,9 +40,6 @@ class BlockStore:
                  dtype: torch.dtype | None = None):
         from safetensors.torch import save_file
 
-        from fp4sense.runtime.memory import map_large_allocations
-
-        map_large_allocations()  # freed block temporaries leave memory, not the heap
         self.blocks = model.get_submodule(blocks_path)
         self.prefix = blocks_path
         self.device = torch.device(device)
@@ -87,6 +84,12 @@ class BlockStore:
             return self._cast(fh.get_tensor(key))
 
     def _load(self, i: int) -> None:
+        from fp4sense.runtime.memory import mapped_allocations
+
+        with mapped_allocations():  # the block's weights leave memory when it is dropped
+            self._read(i)
+
+    def _read(self, i: int) -> None:
         from safetensors import safe_open
 
         names = [(n, f"{self.prefix}.{i}.{n}") for n, _ in self.blocks[i].named_parameters()]

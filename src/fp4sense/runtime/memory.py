@@ -3,10 +3,11 @@ machine does not have it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
-__all__ = ["GiB", "available_bytes", "check_fits", "map_large_allocations",
+__all__ = ["GiB", "available_bytes", "check_fits", "mapped_allocations",
            "return_freed_memory"]
 
 GiB = 2**30
@@ -37,18 +38,27 @@ def check_fits(need: int, what: str, fix: str, log=print) -> None:
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 MAPPED_ABOVE = 128 * 1024  # glibc's own starting threshold
+HEAP_UP_TO = 32 * 2**20  # the ceiling glibc's own threshold rises to
 
 
-def map_large_allocations() -> bool:
-    """Have glibc give every allocation above 128 KiB its own mapping, returned to the
-    operating system when freed. Left alone, glibc raises that threshold each time such a
-    tensor is freed (up to 32 MiB) and serves the next ones from its heap, where freed
-    tensors stay resident between trims: a run that streams decoder blocks then holds the
-    fragments of a block's temporaries on top of the block (bench/scaling.py measures the
-    difference). Setting it fixes the threshold for the process. A no-op where libc is not
-    glibc."""
+@contextlib.contextmanager
+def mapped_allocations():
+    """Inside, glibc gives every allocation above 128 KiB its own mapping, returned to the
+    operating system when freed; after, allocations up to 32 MiB come from its heap again.
+    For bursts of large temporaries (quantizing a block's weights): glibc otherwise
+    serves them from its heap, once freed tensors have raised its threshold, and the
+    freed ones stay resident until a trim. Outside such bursts the heap is faster: every
+    mapped allocation is paid for in page faults (bench/scaling.py). Setting the
+    threshold fixes it for the process (glibc stops adjusting it). A no-op where libc is
+    not glibc."""
     lib = _libc()
-    return bool(lib and lib.mallopt(M_MMAP_THRESHOLD, MAPPED_ABOVE))
+    if lib:
+        lib.mallopt(M_MMAP_THRESHOLD, MAPPED_ABOVE)
+    try:
+        yield
+    finally:
+        if lib:
+            lib.mallopt(M_MMAP_THRESHOLD, HEAP_UP_TO)
 
 
 def return_freed_memory() -> bool:
