@@ -37,10 +37,15 @@ __all__ = ["activation_quantizer", "quantize_weights", "searched_scales"]
 ROW_SLICE_ELEMENTS = 1 << 20
 
 
+def _row_step(weight: torch.Tensor) -> int:
+    """Rows of ``weight`` in one slice."""
+    return max(1, ROW_SLICE_ELEMENTS // max(1, weight[0].numel()))
+
+
 def _by_rows(weight: torch.Tensor, fn: Callable[[slice], torch.Tensor],
              out_dtype: torch.dtype) -> torch.Tensor:
     """``fn(rows)`` over slices of ``weight``'s rows, written into one ``out_dtype`` result."""
-    step = max(1, ROW_SLICE_ELEMENTS // max(1, weight[0].numel()))
+    step = _row_step(weight)
     if weight.shape[0] <= step:
         return fn(slice(None)).to(out_dtype)
     out = torch.empty(weight.shape, dtype=out_dtype, device=weight.device)
@@ -125,10 +130,9 @@ def _search(ws, fmt, gs, importance) -> list[torch.Tensor]:
 
     imps = list(importance) if importance is not None else [None] * len(ws)
     # per block, so per slice of rows (the global scale is the whole group's)
-    return [torch.cat([search_block_scales(w[r:r + step], fmt, gs, imp)
-                       for r in range(0, w.shape[0], step)])
-            for w, imp in zip(ws, imps, strict=True)
-            for step in [max(1, ROW_SLICE_ELEMENTS // max(1, w[0].numel()))]]
+    return [torch.cat([search_block_scales(w[r:r + _row_step(w)], fmt, gs, imp)
+                       for r in range(0, w.shape[0], _row_step(w))])
+            for w, imp in zip(ws, imps, strict=True)]
 
 
 def activation_quantizer(
