@@ -52,6 +52,73 @@ def test_streamed_estimate_equals_the_in_memory_one(family, tmp_path):
     assert any(v > 0 for values in in_memory.values() for v in values)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES) + ["qwen3_moe"])
+def test_a_measured_run_block_by_block_equals_the_whole_model_forward(family, tmp_path):
+    """A measured run takes the blocks one at a time, each for every window, with the
+    arguments the base pass recorded for it (masks, rotary embeddings, sliding windows):
+    window by window its KL is the one of the whole model run under the same
+    perturbation. Measured: bit-identical (float32, the same operations)."""
+    from fp4sense.evaluation.metrics import window_metrics
+
+    model = _model(tmp_path / family, family)
+    windows = _windows()
+    units = find_units(model, windows[:1, :16])
+    run = Analysis(model, windows, units, EntryCache(None), False)
+    run.base_pass()  # input maxima (NVFP4's activation scale)
+    for first in (0, 1):  # from the first block on, and with block 0 replayed
+        pert = {m: (u, "NVFP4") for u in units.units if u.block >= first
+                and u.why_infeasible("NVFP4") is None for m in u.modules}
+        kls = []
+        with run.applied(pert), torch.no_grad():
+            for i, window in enumerate(windows):
+                logits = model(input_ids=window[None]).logits[0].float()
+                kls.append(float(window_metrics(run.base_logprobs(i), logits, window)[
+                    "kl"].double().mean()))
+        result = run.measure(pert)
+        assert result["block_forwards"] == len(windows) * (units.n_blocks - first)
+        assert result["kl"] == pytest.approx(sum(kls) / len(kls), rel=1e-9, abs=0), first
+        assert result["kl"] > 0
+
+
+def test_offloaded_measured_run_reads_each_block_once_and_quantizes_it_once(tmp_path,
+                                                                           monkeypatch):
+    """Streamed, a measured run reads each block it runs once (not once per window) and
+    quantizes each perturbed unit once, with a weight cache of one block per scheme; its
+    numbers are the in-memory ones."""
+    from fp4sense.diagnosis import engine
+    from fp4sense.diagnosis.footprint import weight_cache_bytes
+
+    model = _model(tmp_path / "m", "gemma2")
+    windows = _windows(4)
+    units = find_units(model, windows[:1, :16])
+    pert = {m: (u, "NVFP4") for u in units.units for m in u.modules}
+    reference = Analysis(model, windows, units, EntryCache(None), False).measure(pert)
+    run = Analysis(model, windows, units, EntryCache(None), False, tmp_path / "off")
+    run.qweight_limit = weight_cache_bytes(units, 1, block_scoped=True)
+    run.base_pass()
+    loads, calls = [], []
+    original_load, quantize_unit = run.store._load, engine.quantize_unit
+
+    def counting_load(i):
+        original_load(i)
+        loads.append((i, len(run.store.loaded)))
+
+    def counting(scheme, unit, *args, **kwargs):
+        calls.append(unit.name)
+        return quantize_unit(scheme, unit, *args, **kwargs)
+
+    run.store._load = counting_load
+    monkeypatch.setattr(engine, "quantize_unit", counting)
+    try:
+        streamed = run.measure(pert)
+    finally:
+        run.store._load = original_load
+        run.store.close()
+    assert loads == [(b, 1) for b in range(units.n_blocks)]  # each once, alone
+    assert sorted(calls) == sorted(u.name for u in units.units)
+    assert streamed == reference
+
+
 def test_offloaded_estimate_holds_one_block_and_matches(tmp_path):
     """With blocks offloaded, the estimate streams: at most one block's weights are ever
     loaded, and the scores equal the in-memory estimate's."""
@@ -195,7 +262,10 @@ _FRAGMENTS = textwrap.dedent('''
     from fp4sense.runtime.memory import mapped_allocations
     with mapped_allocations():
         pass  # after it, allocations up to 32 MiB come from the heap (glibc's own ceiling)
-    with mapped_allocations() if sys.argv[1] == "1" else contextlib.nullcontext():
+    with mapped_allocations() if sys.argv[1] != "0" else contextlib.nullcontext():
+        if sys.argv[1] == "2":  # nested: an inner use ending keeps the outer one's mapping
+            with mapped_allocations():
+                pass
         large = [torch.ones(1 << 20) for _ in range(128)]  # 4 MiB tensors
         del large[::2]  # half of them freed, between ones that stay
         for line in open("/proc/self/status"):
@@ -210,13 +280,14 @@ def test_freed_large_tensors_leave_memory_when_allocations_are_mapped():
     """What a streamed block's temporaries do: 256 MiB of 4 MiB tensors freed between
     tensors that stay. glibc keeps them resident outside (its heap, as once freed
     tensors have raised its own threshold); inside ``mapped_allocations`` (block loads
-    and weight quantization of a streamed analysis) they go."""
+    and weight quantization of a streamed analysis) they go, also after a nested use
+    (a perturbation quantized while its block loads) has ended."""
     rss = {}
-    for mapped in ("0", "1"):
+    for mapped in ("0", "1", "2"):
         out = subprocess.run([sys.executable, "-c", _FRAGMENTS, mapped], capture_output=True,
                              text=True, check=True)
         rss[mapped] = int(out.stdout.split()[-1])
-    assert rss["0"] - rss["1"] >= 200, rss  # MiB
+    assert rss["0"] - rss["1"] >= 200 and rss["0"] - rss["2"] >= 200, rss  # MiB
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "phi3"])

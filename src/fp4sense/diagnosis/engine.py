@@ -1,13 +1,18 @@
 """The analysis engine: the unquantized model's block outputs replayed under each
 perturbation (measured), and one forward + backward per window scoring every linear
-(estimated). Views decide what to perturb (:mod:`fp4sense.diagnosis.views`)."""
+(estimated). Views decide what to perturb (:mod:`fp4sense.diagnosis.views`).
+
+A measured run walks the blocks, not the windows: from its first perturbed block on,
+each block runs every window (with the arguments the base pass recorded for it) before
+the next one starts, so an offloaded block is read once per run and its quantized
+weights computed once per run, whatever the number of windows."""
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -16,6 +21,13 @@ import torch
 from tqdm.auto import tqdm
 
 from fp4sense.diagnosis.cache import EntryCache
+from fp4sense.diagnosis.estimate import (
+    _hidden,
+    _hidden_input,
+    _moved,
+    _no_cache,
+    _with_hidden_input,
+)
 from fp4sense.diagnosis.experts import expert_hooks
 from fp4sense.diagnosis.footprint import BASE_LOGPROB_BYTES, WEIGHT_CACHE_BYTES
 from fp4sense.diagnosis.offload import BlockStore, Originals
@@ -47,6 +59,10 @@ class Analysis:
         self.blocks = model.get_submodule(units.blocks_path)
         self.modules = dict(model.named_modules())
         self.block_out: list[list] = []  # [block][window] -> the block's base output
+        #: [block][window] -> the block's (args, kwargs) in the base pass, its hidden input
+        #: left out (the previous block's output; the first block's is ``first_in``)
+        self.calls: list[list] = []
+        self.first_in: list[torch.Tensor] = []
         self.base_lp: list[torch.Tensor] = []
         self.stats: dict[str, dict] | None = None
         #: linear -> E[x^2] per input channel over the windows (weights the scale search)
@@ -115,11 +131,23 @@ class Analysis:
         nll: list[float] = []
         stats = {m: {"absmax": 0.0, "p999": [], "sq": None, "rows": 0}
                  for m in self.units.linears()}
+        self.calls = [[None] * n for _ in range(self.units.n_blocks)]
+        self.first_in = [None] * n
         current = {"i": 0}
+        memo: dict = {}  # one window's tensors shared by the blocks' calls (masks, rotary)
 
         def block_hook(index):
             def hook(module, args, output):
                 self.block_out[index][current["i"]] = output
+            return hook
+
+        def call_hook(index):
+            def hook(module, args, kwargs):
+                if index == 0:
+                    self.first_in[current["i"]] = _hidden_input(args, kwargs).detach()
+                args, kwargs = _with_hidden_input(args, kwargs, None)
+                self.calls[index][current["i"]] = _moved(_uncached(args, kwargs),
+                                                         self.device, memo)
             return hook
 
         def stat_hook(name):
@@ -137,6 +165,8 @@ class Analysis:
 
         experts = {m for u in self.units.units if u.experts for m in u.modules}
         handles = [b.register_forward_hook(block_hook(i)) for i, b in enumerate(self.blocks)]
+        handles += [b.register_forward_pre_hook(call_hook(i), with_kwargs=True)
+                    for i, b in enumerate(self.blocks)]
         handles += [self.modules[m].register_forward_pre_hook(stat_hook(m)) for m in stats
                     if m not in experts]
         expert_handles, self.routing = expert_hooks(self.modules, self.units, stat_hook)
@@ -145,7 +175,9 @@ class Analysis:
             for i, window in enumerate(tqdm(self.windows, desc="base model", leave=False,
                                             disable=not self.progress)):
                 current["i"] = i
-                logits = self.model(input_ids=window[None]).logits[0].float()
+                memo.clear()
+                logits = self.model(input_ids=window[None], **_no_cache(self.model)
+                                    ).logits[0].float()
                 keep = (i + 1) * logits.numel() * 4 <= BASE_LOGPROB_BYTES
                 log_probs = torch.log_softmax(logits, dim=-1)
                 nll.append(-float(log_probs[:-1].gather(-1, window[1:, None]).double().mean()))
@@ -221,21 +253,6 @@ class Analysis:
             for block in patched:
                 del block.forward  # back to the class's forward
 
-    @contextmanager
-    def captured(self, current: dict, into: list[list]):
-        """Record every block's output per window into ``into``."""
-        def hook(index):
-            def record(module, args, output):
-                into[index][current["i"]] = output
-            return record
-
-        handles = [b.register_forward_hook(hook(i)) for i, b in enumerate(self.blocks)]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-
     @torch.no_grad()
     def measure(self, perturbation: Perturbation, start: int | None = None,
                 source: list[list] | None = None, capture: list[list] | None = None) -> dict:
@@ -246,24 +263,36 @@ class Analysis:
         self.base_pass()
         if start is None:
             start = min(unit.block for unit, _ in perturbation.values())
+        source = source or self.block_out
+        n, n_blocks = len(self.windows), self.units.n_blocks
+        outs = list(source[start - 1]) if start else list(self.first_in)
+        with self.applied(perturbation):
+            for b in range(start, n_blocks):  # block-major: each block loaded once
+                with self.store.held(b) if self.store is not None else nullcontext():
+                    for i in range(n):
+                        x = _hidden(outs[i]) if b else self.first_in[i]
+                        args, kwargs = _with_hidden_input(*self.calls[b][i], x)
+                        outs[i] = self.blocks[b](*args, **kwargs)
+                if capture is not None:
+                    capture[b][:] = outs
+        if capture is not None:
+            for b in range(start):
+                capture[b][:] = source[b]
         current = {"i": 0}
         per: dict[str, list[float]] = {"kl": [], "dnll": [], "agree": [], "nll": [],
                                        "base_nll": []}
-        with ExitStack() as stack:
-            stack.enter_context(self.applied(perturbation))
-            stack.enter_context(self.replayed(start, current, source or self.block_out))
-            if capture is not None:
-                stack.enter_context(self.captured(current, capture))
+        with self.replayed(n_blocks, current, [outs] * n_blocks):  # the head on the last
             for i, window in enumerate(self.windows):
                 current["i"] = i
-                logits = self.model(input_ids=window[None]).logits[0].float()
+                logits = self.model(input_ids=window[None], **_no_cache(self.model)
+                                    ).logits[0].float()
                 m = window_metrics(self.base_logprobs(i), logits, window)
                 per["kl"].append(float(m["kl"].double().mean()))
                 per["nll"].append(float(m["nll"].double().mean()))
                 per["base_nll"].append(float(m["base_nll"].double().mean()))
                 per["dnll"].append(per["nll"][-1] - per["base_nll"][-1])
                 per["agree"].append(float(m["agree"].mean()))
-        forwards = len(self.windows) * (self.units.n_blocks - start)
+        forwards = n * (n_blocks - start)
         self.block_forwards += forwards
         kl, kl_se = mean_se(per["kl"])
         top1, top1_se = mean_se(per["agree"])
@@ -276,6 +305,7 @@ class Analysis:
         """Drop what measured runs replay (block outputs, base log-probs): the backward
         pass of the estimate needs the memory more."""
         self.block_out, self.base_lp, self.quant_out = [], [], None
+        self.calls, self.first_in = [], []
 
     def quantized_outputs(self, scheme: str, perturbation: Perturbation) -> tuple[list, dict]:
         """Block outputs (and metrics) of the whole model quantized with ``scheme``: the
@@ -319,3 +349,10 @@ class Analysis:
         if streamed is None:
             streamed = self.store is not None
         return estimate(self, schemes, list(windows), seed, context, streamed)
+
+
+def _uncached(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A block's arguments without a key/value cache (a replayed block must not append
+    to one its first call filled)."""
+    return args, {k: (None if k in ("past_key_values", "past_key_value") else
+                      False if k == "use_cache" else v) for k, v in kwargs.items()}

@@ -11,8 +11,8 @@ from fp4sense.diagnosis.units import UnitMap
 __all__ = ["BASE_LOGPROB_BYTES", "WEIGHT_CACHE_BYTES", "check_cache_memory",
            "weight_cache_bytes"]
 
-#: Memory for fake-quantized weights kept between perturbations (at most; the streamed
-#: estimate keeps one block's worth per scheme: :func:`weight_cache_bytes`).
+#: Memory for fake-quantized weights kept between perturbations (at most; a streamed
+#: run keeps one block's worth per scheme: :func:`weight_cache_bytes`).
 WEIGHT_CACHE_BYTES = 1024 * 2**20
 #: Memory for the base model's log-probs; beyond it they are recomputed from the cached
 #: last block output (only the head runs) when needed.
@@ -22,10 +22,11 @@ BASE_LOGPROB_BYTES = 1024 * 2**20
 def weight_cache_bytes(units: UnitMap, n_schemes: int, block_scoped: bool) -> int:
     """Memory for fake-quantized weights (kept in bf16: 2 bytes a weight): every unit's for
     each of ``n_schemes``, at most WEIGHT_CACHE_BYTES (the in-memory estimate reuses them
-    all at every window; the measured runs reuse a kind's across blocks, windows and the
-    kind's single linears). ``block_scoped`` (a streamed run that only estimates): one
-    block's for each scheme, all the streamed estimate reuses (a block's, across its
-    windows), so that cache stays flat in depth."""
+    all at every window; the measured runs reuse a unit's across the views and the kind's
+    single linears). ``block_scoped`` (a streamed run): one block's for each scheme, all
+    a streamed run needs (the estimate's backward sweep and every measured run take the
+    blocks one at a time, each for all windows), so that cache stays flat in depth; a
+    unit is quantized again in each measured run that perturbs it."""
     per_block: dict[int, int] = {}
     for u in units.units:
         per_block[u.block] = per_block.get(u.block, 0) + u.numel
@@ -50,7 +51,8 @@ def check_cache_memory(model, windows: torch.Tensor, units: UnitMap, modes, view
     need, parts = 0, []
     if "measured" in modes:
         copies = 2 if "block" in views else 1
-        replay = (copies * n * units.n_blocks * tokens * hidden * itemsize
+        # + the first block's inputs and the outputs a run carries from block to block
+        replay = ((copies * units.n_blocks + 2) * n * tokens * hidden * itemsize
                   + min(n * tokens * vocab * 4, BASE_LOGPROB_BYTES))
         need += replay
         parts.append(f"measured replay {replay / 2**30:.2f} GiB")

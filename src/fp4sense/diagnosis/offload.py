@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -51,6 +52,7 @@ class BlockStore:
             self.folder.mkdir(parents=True, exist_ok=True)
         self.overrides: dict[str, torch.Tensor] = {}
         self.loaded: set[int] = set()
+        self.holding: set[int] = set()  # loaded for several calls (:meth:`held`)
         self.perturbed: set[str] = set()  # loaded parameters that hold an override
         self.handles = []
         for i, block in enumerate(self.blocks):
@@ -128,15 +130,28 @@ class BlockStore:
 
     def _load_hook(self, i: int):
         def hook(module, args, kwargs=None):
-            if "forward" not in vars(module):  # a replayed block needs no weights
+            # a replayed block needs no weights; a held one has them
+            if "forward" not in vars(module) and i not in self.holding:
                 self._load(i)
         return hook
 
     def _drop_hook(self, i: int):
         def hook(module, args, output):
-            if not torch.is_grad_enabled():
+            if not torch.is_grad_enabled() and i not in self.holding:
                 self._drop(i)
         return hook
+
+    @contextmanager
+    def held(self, i: int):
+        """Block ``i`` loaded once for several calls (a measured run's windows), dropped
+        after."""
+        self._load(i)
+        self.holding.add(i)
+        try:
+            yield
+        finally:
+            self.holding.discard(i)
+            self._drop(i)
 
     def release_all(self) -> None:
         for i in list(self.loaded):

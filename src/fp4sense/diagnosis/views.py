@@ -224,7 +224,7 @@ def analyze(
     if cache.items:
         log(f"resuming: {len(cache.items)} cached results ({cache.path})")
     streamed = offload_dir is not None or getattr(model, "fp4sense_blocks", None) is not None
-    weights = weight_cache_bytes(units, len(schemes), streamed and "measured" not in modes)
+    weights = weight_cache_bytes(units, len(schemes), block_scoped=streamed)
     check_cache_memory(model, windows, units, modes, views, streamed, log, weights)
     run = Analysis(model, windows, units, cache, progress,
                    Path(offload_dir) if offload_dir is not None else None, device)

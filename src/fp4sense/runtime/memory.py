@@ -38,6 +38,7 @@ def check_fits(need: int, what: str, fix: str, log=print) -> None:
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 MAPPED_ABOVE = 128 * 1024  # glibc's own starting threshold
+_MAPPED = {"depth": 0}  # how many mapped_allocations are open
 HEAP_UP_TO = 32 * 2**20  # the ceiling glibc's own threshold rises to
 
 
@@ -50,14 +51,17 @@ def mapped_allocations():
     freed ones stay resident until a trim. Outside such bursts the heap is faster: every
     mapped allocation is paid for in page faults (bench/scaling.py). Setting the
     threshold fixes it for the process (glibc stops adjusting it). A no-op where libc is
-    not glibc."""
+    not glibc. Nested uses (a perturbation quantized while its block loads) keep the
+    mapping until the outermost ends."""
     lib = _libc()
-    if lib:
+    if lib and not _MAPPED["depth"]:
         lib.mallopt(M_MMAP_THRESHOLD, MAPPED_ABOVE)
+    _MAPPED["depth"] += 1
     try:
         yield
     finally:
-        if lib:
+        _MAPPED["depth"] -= 1
+        if lib and not _MAPPED["depth"]:
             lib.mallopt(M_MMAP_THRESHOLD, HEAP_UP_TO)
 
 
