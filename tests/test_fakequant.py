@@ -61,6 +61,10 @@ def test_quantizing_a_slice_of_rows_at_a_time_gives_the_whole_tensors_bits(schem
     assert all(a.dtype == torch.float32 and torch.equal(a, b)
                for a, b in zip(whole, sliced, strict=True))
     assert not torch.equal(whole[0], ws[0])
+    # one part of the group alone (what a streamed run quantizes when a block loads):
+    # the same bits, its global scale still the group's (the outlier is in the other)
+    alone = quantize_weights(scheme, ws, importance=imps, only=1)
+    assert len(alone) == 1 and torch.equal(alone[0], whole[1])
 
 
 def test_activation_quantizer_kinds_and_needs():

@@ -83,7 +83,8 @@ def test_a_measured_run_block_by_block_equals_the_whole_model_forward(family, tm
 def test_offloaded_measured_run_reads_each_block_once_and_quantizes_it_once(tmp_path,
                                                                            monkeypatch):
     """Streamed, a measured run reads each block it runs once (not once per window) and
-    quantizes each perturbed unit once, with a weight cache of one block per scheme; its
+    quantizes each perturbed linear once (alone: its fused group's other linears only
+    when they are perturbed too), with a weight cache of one block per scheme; its
     numbers are the in-memory ones."""
     from fp4sense.diagnosis import engine
     from fp4sense.diagnosis.footprint import weight_cache_bytes
@@ -104,7 +105,7 @@ def test_offloaded_measured_run_reads_each_block_once_and_quantizes_it_once(tmp_
         loads.append((i, len(run.store.loaded)))
 
     def counting(scheme, unit, *args, **kwargs):
-        calls.append(unit.name)
+        calls.append((unit.name, kwargs.get("only")))
         return quantize_unit(scheme, unit, *args, **kwargs)
 
     run.store._load = counting_load
@@ -115,7 +116,8 @@ def test_offloaded_measured_run_reads_each_block_once_and_quantizes_it_once(tmp_
         run.store._load = original_load
         run.store.close()
     assert loads == [(b, 1) for b in range(units.n_blocks)]  # each once, alone
-    assert sorted(calls) == sorted(u.name for u in units.units)
+    assert sorted(calls) == sorted((u.name, i) for u in units.units
+                                   for i in range(len(u.modules)))  # each linear once
     assert streamed == reference
 
 
@@ -190,7 +192,8 @@ def test_streamed_weight_cache_holds_one_block_per_scheme_and_never_requantizes(
     quantize_unit = engine.quantize_unit
 
     def counting(scheme, unit, *args, **kwargs):
-        calls[(unit.name, scheme)] = calls.get((unit.name, scheme), 0) + 1
+        key = (unit.name, scheme, kwargs.get("only"))  # one linear at a time
+        calls[key] = calls.get(key, 0) + 1
         most["bytes"] = max(most["bytes"], run.qweight_bytes)
         return quantize_unit(scheme, unit, *args, **kwargs)
 
@@ -202,15 +205,15 @@ def test_streamed_weight_cache_holds_one_block_per_scheme_and_never_requantizes(
     assert streamed == reference
     assert 0 < most["bytes"] <= run.qweight_limit and run.qweight_bytes <= run.qweight_limit
     assert set(calls.values()) == {1}
-    assert set(calls) == {(u.name, s) for u in units.units for s in schemes
-                          if u.why_infeasible(s) is None}
+    assert set(calls) == {(u.name, s, i) for u in units.units for s in schemes
+                          if u.why_infeasible(s) is None for i in range(len(u.modules))}
 
 
 @pytest.mark.parametrize("low_memory", [False, True])
-def test_an_analysis_of_several_schemes_quantizes_each_unit_once(low_memory, tmp_path,
-                                                                 monkeypatch):
+def test_an_analysis_of_several_schemes_quantizes_each_linear_once(low_memory, tmp_path,
+                                                                   monkeypatch):
     """Through ``analyze`` (which sizes the weight cache): an estimate of several schemes,
-    a searched one among them, in memory or streamed, quantizes each (unit, scheme) once
+    a searched one among them, in memory or streamed, quantizes each (linear, scheme) once
     over all its windows (a cache of one scheme's worth re-searched at every window)."""
     from fp4sense.diagnosis import engine
 
@@ -220,7 +223,8 @@ def test_an_analysis_of_several_schemes_quantizes_each_unit_once(low_memory, tmp
     quantize_unit = engine.quantize_unit
 
     def counting(scheme, unit, *args, **kwargs):
-        calls[(unit.name, scheme)] = calls.get((unit.name, scheme), 0) + 1
+        key = (unit.name, scheme, kwargs.get("only"))  # one linear at a time
+        calls[key] = calls.get(key, 0) + 1
         return quantize_unit(scheme, unit, *args, **kwargs)
 
     monkeypatch.setattr(engine, "quantize_unit", counting)
@@ -228,7 +232,7 @@ def test_an_analysis_of_several_schemes_quantizes_each_unit_once(low_memory, tmp
             offload_dir=tmp_path / "off" if low_memory else None, progress=False,
             log=lambda m: None)
     assert calls and set(calls.values()) == {1}
-    assert {s for _, s in calls} == set(schemes)
+    assert {s for _, s, _ in calls} == set(schemes)
 
 
 def test_window_scores_do_not_depend_on_which_windows_run_together(tmp_path):

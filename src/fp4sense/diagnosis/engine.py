@@ -20,14 +20,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from fp4sense.diagnosis import estimate as blockio  # a block's call, kept and replayed
 from fp4sense.diagnosis.cache import EntryCache
-from fp4sense.diagnosis.estimate import (
-    _hidden,
-    _hidden_input,
-    _moved,
-    _no_cache,
-    _with_hidden_input,
-)
 from fp4sense.diagnosis.experts import expert_hooks
 from fp4sense.diagnosis.footprint import BASE_LOGPROB_BYTES, WEIGHT_CACHE_BYTES
 from fp4sense.diagnosis.offload import BlockStore, Originals
@@ -84,7 +78,7 @@ class Analysis:
             self.store = BlockStore(model, units.blocks_path, offload_dir, self.device)
             self.original = Originals(self.modules, self.store)
             model.to(self.device)  # the blocks are empty now: the rest moves
-        self.qweights: OrderedDict[tuple[Unit, str], list[torch.Tensor]] = OrderedDict()
+        self.qweights: OrderedDict[tuple, list] = OrderedDict()  # (unit, scheme[, index])
         self.qweight_bytes = 0
         self.qweight_limit = WEIGHT_CACHE_BYTES
         self.quant_out: tuple[str, list[list], dict] | None = None
@@ -96,27 +90,34 @@ class Analysis:
                 for w, m in zip(self._kept(unit, scheme), unit.modules, strict=True)]
 
     def _quantized_one(self, unit: Unit, scheme: str, index: int) -> torch.Tensor:
-        """One of the unit's fake-quantized weights (only that one in the model's dtype)."""
-        return self._kept(unit, scheme)[index].to(self.original[unit.modules[index]].dtype)
+        """One of the unit's fake-quantized weights (only that one quantized unless the
+        whole unit's are kept; in the model's dtype)."""
+        whole = (unit, scheme) in self.qweights
+        return self._kept(unit, scheme, None if whole else index)[index].to(
+            self.original[unit.modules[index]].dtype)
 
-    def _kept(self, unit: Unit, scheme: str) -> list[torch.Tensor]:
-        kept = self.qweights.get((unit, scheme))
+    def _kept(self, unit: Unit, scheme: str, only: int | None = None) -> list:
+        """The unit's quantized weights in bf16 (with ``only``, that one; None others)."""
+        key = (unit, scheme) if only is None else (unit, scheme, only)
+        kept = self.qweights.get(key)
         if kept is not None:
-            self.qweights.move_to_end((unit, scheme))
+            self.qweights.move_to_end(key)
             return kept
+        group = next(p for p in unit.scale_groups if only is None or only in p)
         imps = [self.importance.get(m) for m in unit.modules]
         # streamed: the temporaries leave memory when freed (a block's worth at a time)
         with mapped_allocations() if self.store is not None else nullcontext():
             # quantized in bf16 (the checkpoint's dtype), so bf16 holds them exactly
-            ws = quantize_unit(scheme, unit, [self.original[m] for m in unit.modules],
+            ws = quantize_unit(scheme, unit, [self.original[m] if only is None or i in group
+                                              else None for i, m in enumerate(unit.modules)],
                                importance=imps if any(i is not None for i in imps) else None,
-                               out_dtype=torch.bfloat16)
-        size = sum(w.numel() * w.element_size() for w in ws)
+                               out_dtype=torch.bfloat16, only=only)
+        size = _nbytes(ws)
         if size <= self.qweight_limit:  # the least recently used make room
             while self.qweights and self.qweight_bytes + size > self.qweight_limit:
                 _, old = self.qweights.popitem(last=False)
-                self.qweight_bytes -= sum(w.numel() * w.element_size() for w in old)
-            self.qweights[(unit, scheme)] = ws
+                self.qweight_bytes -= _nbytes(old)
+            self.qweights[key] = ws
             self.qweight_bytes += size
         return ws
 
@@ -144,10 +145,10 @@ class Analysis:
         def call_hook(index):
             def hook(module, args, kwargs):
                 if index == 0:
-                    self.first_in[current["i"]] = _hidden_input(args, kwargs).detach()
-                args, kwargs = _with_hidden_input(args, kwargs, None)
-                self.calls[index][current["i"]] = _moved(_uncached(args, kwargs),
-                                                         self.device, memo)
+                    self.first_in[current["i"]] = blockio._hidden_input(args, kwargs).detach()
+                args, kwargs = blockio._with_hidden_input(args, kwargs, None)
+                self.calls[index][current["i"]] = blockio._moved(
+                    blockio._uncached(args, kwargs), self.device, memo)
             return hook
 
         def stat_hook(name):
@@ -176,7 +177,7 @@ class Analysis:
                                             disable=not self.progress)):
                 current["i"] = i
                 memo.clear()
-                logits = self.model(input_ids=window[None], **_no_cache(self.model)
+                logits = self.model(input_ids=window[None], **blockio._no_cache(self.model)
                                     ).logits[0].float()
                 keep = (i + 1) * logits.numel() * 4 <= BASE_LOGPROB_BYTES
                 log_probs = torch.log_softmax(logits, dim=-1)
@@ -270,8 +271,8 @@ class Analysis:
             for b in range(start, n_blocks):  # block-major: each block loaded once
                 with self.store.held(b) if self.store is not None else nullcontext():
                     for i in range(n):
-                        x = _hidden(outs[i]) if b else self.first_in[i]
-                        args, kwargs = _with_hidden_input(*self.calls[b][i], x)
+                        x = blockio._hidden(outs[i]) if b else self.first_in[i]
+                        args, kwargs = blockio._with_hidden_input(*self.calls[b][i], x)
                         outs[i] = self.blocks[b](*args, **kwargs)
                 if capture is not None:
                     capture[b][:] = outs
@@ -284,7 +285,7 @@ class Analysis:
         with self.replayed(n_blocks, current, [outs] * n_blocks):  # the head on the last
             for i, window in enumerate(self.windows):
                 current["i"] = i
-                logits = self.model(input_ids=window[None], **_no_cache(self.model)
+                logits = self.model(input_ids=window[None], **blockio._no_cache(self.model)
                                     ).logits[0].float()
                 m = window_metrics(self.base_logprobs(i), logits, window)
                 per["kl"].append(float(m["kl"].double().mean()))
@@ -351,8 +352,6 @@ class Analysis:
         return estimate(self, schemes, list(windows), seed, context, streamed)
 
 
-def _uncached(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A block's arguments without a key/value cache (a replayed block must not append
-    to one its first call filled)."""
-    return args, {k: (None if k in ("past_key_values", "past_key_value") else
-                      False if k == "use_cache" else v) for k, v in kwargs.items()}
+def _nbytes(tensors) -> int:
+    return sum(w.numel() * w.element_size() for w in tensors if w is not None)
+

@@ -267,3 +267,9 @@ def _with_hidden_input(args, kwargs, x):
     if args:
         return (x, *args[1:]), kwargs
     return args, {**kwargs, "hidden_states": x}
+
+def _uncached(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A block's arguments without a key/value cache (a replayed block must not append
+    to one its first call filled)."""
+    return args, {k: (None if k in ("past_key_values", "past_key_value") else
+                      False if k == "use_cache" else v) for k, v in kwargs.items()}

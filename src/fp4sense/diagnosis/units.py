@@ -290,21 +290,27 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 def quantize_unit(scheme: str, unit: Unit, weights: Sequence[torch.Tensor],
                   importance: Sequence[torch.Tensor | None] | None = None,
                   block_scales: Sequence[torch.Tensor] | None = None,
-                  out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+                  out_dtype: torch.dtype | None = None,
+                  only: int | None = None) -> list[torch.Tensor | None]:
     """``unit``'s weights fake-quantized under ``scheme``, each of its scale groups on
     its own (a fused group shares one NVFP4 global scale; MoE experts one per expert).
     ``importance``: per weight, the E[x^2] of its inputs (searched-scale schemes);
     ``block_scales``: per weight, scales from :func:`unit_scales` (no new search);
-    ``out_dtype``: of the results (default: each weight's own)."""
+    ``out_dtype``: of the results (default: each weight's own); ``only``: the index of
+    the one weight to quantize (the same bits; the others are None, and only its scale
+    group's ``weights`` are read: the others may be None)."""
     from fp4sense.numerics.fakequant import quantize_weights
 
     out: list[torch.Tensor | None] = [None] * len(weights)
     for part in unit.scale_groups:
+        if only is not None and only not in part:
+            continue
         imps = None if importance is None else [importance[i] for i in part]
         given = None if block_scales is None else [block_scales[i] for i in part]
-        for i, w in zip(part, quantize_weights(scheme, [weights[i] for i in part],
-                                               importance=imps, block_scales=given,
-                                               out_dtype=out_dtype), strict=True):
+        done = quantize_weights(scheme, [weights[i] for i in part], importance=imps,
+                                block_scales=given, out_dtype=out_dtype,
+                                only=None if only is None else part.index(only))
+        for i, w in zip(part if only is None else (only,), done, strict=True):
             out[i] = w
     return out
 

@@ -79,9 +79,11 @@ def quantize_weights(
     importance: Sequence[torch.Tensor | None] | None = None,
     block_scales: Sequence[torch.Tensor] | None = None,
     out_dtype: torch.dtype | None = None,
+    only: int | None = None,
 ) -> list[torch.Tensor]:
     """Fake-quantized copies of ``weights`` (the parts of one unit) under ``scheme``, in
-    ``out_dtype`` (default: each weight's own).
+    ``out_dtype`` (default: each weight's own); with ``only``, of that part alone (its
+    global scale still the whole group's: the same bits, a list of one).
 
     The parts of a fused group are passed together: NVFP4 gives them one global scale.
     ``importance`` (one (in,) E[x^2] per part, or None) weights the block-scale search of
@@ -90,13 +92,21 @@ def quantize_weights(
     searching again.
     """
     s = get_scheme(scheme)
-    out_dtype = [out_dtype or w.dtype for w in weights]
-    ws = [w.detach().to(dtype) for w in weights]
+    pick = (lambda xs: xs) if only is None else (lambda xs: [xs[only]])
+    out_dtype = [out_dtype or w.dtype for w in pick(weights)]
+    if s.is_fp4 and formats.get_format(s.weight_format).has_global_scale:
+        gs = formats.global_scale(*[w.detach().to(dtype) for w in weights])
+    else:
+        gs = None
+    ws = [w.detach().to(dtype) for w in pick(weights)]
+    if importance is not None:
+        importance = pick(list(importance))
+    if block_scales is not None:
+        block_scales = pick(list(block_scales))
     if s.weight_format is None:
         return [w.to(d) for w, d in zip(ws, out_dtype, strict=True)]
     if s.is_fp4:
         fmt = formats.get_format(s.weight_format)
-        gs = formats.global_scale(*ws) if fmt.has_global_scale else None
         if s.scale_search and block_scales is None:
             block_scales = _search(ws, fmt, gs, importance)
         given = list(block_scales) if s.scale_search else [None] * len(ws)
