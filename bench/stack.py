@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, metavar="METHOD",
                         help="write only this row's checkpoints (e.g. 'plan + QAD'); "
                              "publish the others finished before")
+    parser.add_argument("--checkpoints-only", action="store_true",
+                        help="skip the in-memory rows (an experiment on written rows only)")
     parser.add_argument("--cached-only", action="store_true",
                         help="publish (and verify) the rows finished before; write no new one")
     args = parser.parse_args(argv)
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                      "eval": "in memory", "wall_s": round(time.perf_counter() - t, 1)})
 
     rows = []
-    for name, menu in menus.items():
+    for name, menu in ({} if args.checkpoints_only else menus).items():
         fp4 = menu[0]
         twins = with_search_twins(menu)
         for method, assign in (
