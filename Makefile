@@ -17,6 +17,9 @@ PYTEST_ARGS ?=
 # two pytest workers, one test file each at a time (pytest-xdist): much of the suite waits
 # on process start-up and imports, which a second worker overlaps on a 2-core machine
 PYTEST_WORKERS ?= 2
+# torch threads per worker (and per process a test starts): the cores shared out, so two
+# workers on two cores do not each run two OpenMP threads that spin against the other's
+TEST_THREADS ?= $(shell n=$$(( $$(nproc) / $(PYTEST_WORKERS) )); echo $$(( n > 0 ? n : 1 )))
 
 .PHONY: setup env env-vllm assets test demo lint bench-schemes bench-analysis bench-plans clean-envs
 
@@ -51,7 +54,8 @@ assets: env
 	$(VENV)/bin/fp4sense setup
 
 test: setup
-	$(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) \
+		--dist loadfile $(PYTEST_ARGS)
 
 # The main job on the bundled model and text: analyze (NVFP4 / MXFP4), quantize at 4.75
 # bits, compare with uniform NVFP4, verify in vLLM; summary table and paths at the end.

@@ -61,23 +61,14 @@ def analyze_model(
     (``offload_dir`` does the same from copies, for models whose files cannot be read
     so)."""
     from fp4sense.diagnosis import analyze, check_request
-    from fp4sense.inputs.assets import cache_dir
     from fp4sense.reports.analysis import write_analysis
     from fp4sense.runtime import distributed
     from fp4sense.runtime.devices import resolve
-    from fp4sense.validate import InputError, check_writable
+    from fp4sense.validate import check_analysis_output
 
     schemes = check_request(schemes, views, modes)  # bad input fails before loading
     placement = resolve(device, dtype, log=log)
-    cache_folder = (cache_dir() / "analysis" if cache is True else Path(cache) if cache
-                    else None)
-    if out_dir is not None:  # nothing is computed when the results cannot be written
-        if Path(out_dir).exists() and not Path(out_dir).is_dir():
-            raise InputError(f"--out {out_dir} is an existing file; choose a folder name")
-        check_writable(Path(out_dir), "--out", "choose a folder you can write to")
-    if cache_folder is not None:
-        check_writable(cache_folder, "the analysis cache", "pass --no-cache, or point "
-                       "FP4SENSE_CACHE at a writable folder")
+    cache_folder = check_analysis_output(out_dir, cache)
     if offload_dir is not None:
         from fp4sense.diagnosis.offload import check_offload_dir
 

@@ -118,6 +118,35 @@ def check_output_folder(out: Path, *, overwrite: bool, protected: list[Path] = (
     check_writable(target.parent, "--out", "choose a folder you can write to")
 
 
+def check_quantize_output(model, out, *, overwrite: bool) -> None:
+    """``fp4sense quantize``'s output folder against :func:`check_output_folder`, the model
+    (the bundled one when ``model`` is None) protected. Light: the CLI runs it before it
+    imports torch, so a wrong ``--out`` is refused in a moment."""
+    from fp4sense.inputs.assets import default_model_path
+
+    base = default_model_path() if model is None else Path(model)
+    check_output_folder(Path(out), overwrite=overwrite,
+                        protected=[base] if base.exists() else [])
+
+
+def check_analysis_output(out_dir, cache) -> Path | None:
+    """``fp4sense analyze``'s output folder and analysis cache (``cache``: True for the
+    fp4sense cache, a folder, or False for none), checked writable before any work; returns
+    the cache folder. Light, like :func:`check_quantize_output`."""
+    from fp4sense.inputs.assets import cache_dir
+
+    cache_folder = (cache_dir() / "analysis" if cache is True else Path(cache) if cache
+                    else None)
+    if out_dir is not None:  # nothing is computed when the results cannot be written
+        if Path(out_dir).exists() and not Path(out_dir).is_dir():
+            raise InputError(f"--out {out_dir} is an existing file; choose a folder name")
+        check_writable(Path(out_dir), "--out", "choose a folder you can write to")
+    if cache_folder is not None:
+        check_writable(cache_folder, "the analysis cache", "pass --no-cache, or point "
+                       "FP4SENSE_CACHE at a writable folder")
+    return cache_folder
+
+
 _OWNER = ".fp4sense-owner"
 
 

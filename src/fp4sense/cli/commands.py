@@ -132,6 +132,9 @@ def _csv(value: str) -> list[str]:
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
+    from fp4sense.validate import check_analysis_output
+
+    check_analysis_output(args.out, not args.no_cache)  # before torch
     from fp4sense.api import analyze_model
     from fp4sense.reports.analysis import findings
 
@@ -174,6 +177,9 @@ def _distill_settings(args: argparse.Namespace):
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
+    from fp4sense.validate import check_quantize_output
+
+    check_quantize_output(args.model, args.out, overwrite=args.overwrite)  # before torch
     from fp4sense.api import quantize_model
 
     result = quantize_model(
@@ -292,17 +298,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: the errors users can fix, in match order. None is imported to match it (an unimported
+#: module raised nothing), so a command that fails before it needs torch answers at once.
+_USER_ERRORS = (("fp4sense.inputs.assets", "AssetError", EXIT_ASSET_ERROR),
+                ("fp4sense.publishing.hub", "HubError", EXIT_HUB_ERROR),
+                ("fp4sense.inputs.gguf", "GGUFConversionError", EXIT_USER_ERROR),
+                ("fp4sense.evaluation.vllm_check", "VerifyError", EXIT_USER_ERROR),
+                ("fp4sense.runtime.distributed", "RankError", EXIT_USER_ERROR),
+                ("builtins", "ValueError", EXIT_USER_ERROR))
+
+
+def _exit_code(exc: BaseException) -> int | None:
+    for module, name, code in _USER_ERRORS:
+        found = sys.modules.get(module)
+        if found is not None and isinstance(exc, getattr(found, name)):
+            return code
+    return None
+
+
 def run_command(action: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Run one command; map the errors users can fix to one line and an exit code."""
-    from fp4sense.evaluation.vllm_check import VerifyError
-    from fp4sense.inputs.assets import AssetError
-    from fp4sense.inputs.gguf import GGUFConversionError
-    from fp4sense.publishing.hub import HubError
-    from fp4sense.runtime.distributed import RankError
-
-    codes = ((AssetError, EXIT_ASSET_ERROR), (HubError, EXIT_HUB_ERROR),
-             (GGUFConversionError, EXIT_USER_ERROR), (VerifyError, EXIT_USER_ERROR),
-             (RankError, EXIT_USER_ERROR), (ValueError, EXIT_USER_ERROR))
     try:
         with _stdout_for_json(bool(getattr(args, "json", False))):
             return int(action(args))
@@ -311,10 +326,14 @@ def run_command(action: Callable[[argparse.Namespace], int], args: argparse.Name
         print("fp4sense: interrupted; finished analysis entries stay cached, no partial "
               "output folder is left", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except tuple(t for t, _ in codes) as exc:
-        print(f"fp4sense: error: {exc}", file=sys.stderr)
-        return next(code for t, code in codes if isinstance(exc, t))
-    except OSError as exc:  # a disk that fills or turns read-only mid-run: one line
+    except Exception as exc:
+        code = _exit_code(exc)
+        if code is not None:
+            print(f"fp4sense: error: {exc}", file=sys.stderr)
+            return code
+        if not isinstance(exc, OSError):
+            raise
+        # a disk that fills or turns read-only mid-run: one line
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"fp4sense: error: could not read or write {where}{exc.strerror or exc}; "
               "free space or fix permissions and run again", file=sys.stderr)
@@ -327,14 +346,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_OK
-    from fp4sense.runtime.distributed import leave
-
     code = EXIT_INTERRUPTED
     try:
         code = run_command(args.func, args)
         return code
     finally:
-        leave(code)
+        distributed = sys.modules.get("fp4sense.runtime.distributed")
+        if distributed is not None:  # never imported: no process group to leave
+            distributed.leave(code)
 
 
 if __name__ == "__main__":  # pragma: no cover

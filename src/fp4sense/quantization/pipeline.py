@@ -99,18 +99,15 @@ def quantize_model(
     import time
 
     from fp4sense.diagnosis import analyze
-    from fp4sense.inputs.assets import default_model_path
     from fp4sense.numerics.schemes import get_scheme
     from fp4sense.publishing.lineage import hub_id_of, public_name, write_local_record
     from fp4sense.runtime import distributed
     from fp4sense.runtime.devices import resolve
-    from fp4sense.validate import check_output_folder
+    from fp4sense.validate import check_quantize_output
 
     out = Path(out_dir)
     # the user's model is never the output, nor inside it, nor holding it
-    base_path = default_model_path() if model is None else Path(model)
-    check_output_folder(out, overwrite=overwrite,
-                        protected=[base_path] if base_path.exists() else [])
+    check_quantize_output(model, out, overwrite=overwrite)
     from fp4sense.numerics.schemes import with_search_twins
 
     menu = with_search_twins(menu) if scale_search else [get_scheme(s).name for s in menu]
