@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -134,3 +135,23 @@ def test_interrupt_exits_130_with_one_line(tiny_llama, text_file, tmp_path):
     assert proc.returncode == 130, err[-2000:]
     assert err.strip().splitlines()[-1].startswith("fp4sense: interrupted")
     assert "Traceback" not in err
+
+
+def test_a_wrong_out_is_refused_before_torch_is_imported(tmp_path):
+    """quantize and analyze check their output folder (and the analysis cache) first, so
+    such an error is one line in a moment: the process never imports torch."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (tmp_path / "file").write_text("x")
+    probe = ("import sys; from fp4sense.cli import main; rc = main(sys.argv[1:]); "
+             "print(rc, 'torch' in sys.modules)")
+    for args, culprit in (
+            (["quantize", str(model), "--budget", "5", "--out", str(model / "q")],
+             "is, holds or is inside the model folder"),
+            (["analyze", str(model), "--out", str(tmp_path / "file")], "is an existing file"),
+            (["analyze", str(model), "--out", str(tmp_path / "a")], "the analysis cache")):
+        env = {"FP4SENSE_CACHE": str(tmp_path / "file")} if culprit.endswith("cache") else {}
+        proc = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True,
+                              text=True, timeout=300, env={**os.environ, **env})
+        assert proc.stdout.split() == ["1", "False"], (args, proc.stdout, proc.stderr[-2000:])
+        assert culprit in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
