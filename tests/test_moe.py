@@ -29,6 +29,53 @@ def _load(path):
     return load_model(path)[0]
 
 
+#: the checkpoints the vLLM tests serve: name -> (model, `fp4sense quantize` arguments)
+SERVED = {
+    "mixtral": ("mixtral", ["--budget", "8.0", "--menu", "NVFP4,FP8_DYNAMIC,BF16", "--pin",
+                            "0:mlp.experts=NVFP4", "--pin", "1:mlp.experts=FP8_DYNAMIC",
+                            *SMALL]),
+    "qwen3_moe": ("qwen3_moe", ["--budget", "8.0", "--menu", "NVFP4,BF16", "--no-eval",
+                                *SMALL[:6]]),
+    "qwen2_moe": ("qwen2_moe", ["--budget", "8.0", "--menu", "NVFP4,BF16", "--no-eval",
+                                *SMALL[:6]]),
+    "mixed": ("qwen3_moe", ["--budget", "8.0", "--menu", "MXFP4,FP8_DYNAMIC,BF16", "--pin",
+                            "0:mlp.experts=MXFP4", "--pin", "1:mlp.experts=FP8_DYNAMIC",
+                            "--no-scale-search", "--no-eval", *SMALL[:6]]),
+}
+
+
+@pytest.fixture(scope="module")
+def served(moe_models, text_file, tmp_path_factory, serve_python) -> dict:
+    """Every SERVED checkpoint written by `fp4sense quantize`, then the ones written served
+    by one `fp4sense verify-vllm A B ...` (one vLLM process, an engine per checkpoint):
+    name -> (folder, quantize's process, vLLM's verdict or None)."""
+    root = tmp_path_factory.mktemp("served")
+    made = {}
+    for name, (model, args) in SERVED.items():
+        out = root / name
+        made[name] = (out, subprocess.run(
+            [FP4SENSE, "quantize", str(moe_models[model]), "--text", str(text_file), "--out",
+             str(out), *args], capture_output=True, text=True, timeout=900))
+    written = [n for n, (_, proc) in made.items() if proc.returncode == 0]
+    done = subprocess.run([FP4SENSE, "verify-vllm", *(str(made[n][0]) for n in written),
+                           "--windows", "1", "--tokens", "128", "--serve-python",
+                           str(serve_python), "--json"], capture_output=True, text=True,
+                          timeout=1800)
+    found = json.loads(done.stdout) if done.stdout.strip() else []
+    found = found if isinstance(found, list) else [found]
+    verdicts = {n: v for n, v in zip(written, found, strict=False)}
+    for n, v in verdicts.items():  # the list is in the order of the folders given
+        assert v["checkpoint"] == str(made[n][0]), (n, v["checkpoint"])
+    return {n: (out, proc, verdicts.get(n, done.stderr[-2000:]))
+            for n, (out, proc) in made.items()}
+
+
+def _written(served, name):
+    out, proc, verdict = served[name]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return out, verdict
+
+
 @pytest.mark.parametrize("family", list(MOE_FAMILIES))
 def test_experts_are_one_unit_per_block_and_nothing_is_skipped(family, moe_models):
     from fp4sense.diagnosis.experts import ROUTER, SHARED_GATE
@@ -227,19 +274,13 @@ def test_stored_expert_names_pair_with_the_linears(moe_models, tmp_path):
 
 
 @pytest.mark.slow
-def test_mixtral_quantizes_and_runs_in_vllm(moe_models, text_file, tmp_path, serve_python):
+def test_mixtral_quantizes_and_runs_in_vllm(served):
     """Experts stored under other names (Mixtral): the config groups name the linears and
     the stored names, so llm-compressor quantizes every expert, fp4sense's eval loads the
     checkpoint (the family's renamings applied) and vLLM serves it."""
     from safetensors import safe_open
 
-    out = tmp_path / "mixtral-q"
-    done = subprocess.run([FP4SENSE, "quantize", str(moe_models["mixtral"]), "--text",
-                           str(text_file), "--budget", "8.0", "--menu",
-                           "NVFP4,FP8_DYNAMIC,BF16", "--pin", "0:mlp.experts=NVFP4", "--pin",
-                           "1:mlp.experts=FP8_DYNAMIC", "--out", str(out), *SMALL],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    out, verdict = _written(served, "mixtral")
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     with safe_open(str(out / "model.safetensors"), "pt") as fh:
         stored = {k.rsplit(".", 1)[0] for k in fh.keys() if ".experts." in k}
@@ -251,11 +292,7 @@ def test_mixtral_quantizes_and_runs_in_vllm(moe_models, text_file, tmp_path, ser
     assert any(re.match(t[3:], "model.layers.0.block_sparse_moe.experts.0.w1")
                for g in config["config_groups"].values() for t in g["targets"])
     assert json.loads((out / "fp4sense-quantize.json").read_text())["eval"]["kl"] > 0
-    done = subprocess.run([FP4SENSE, "verify-vllm", str(out), "--windows", "1", "--tokens",
-                           "128", "--serve-python", str(serve_python), "--json"],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert json.loads(done.stdout)["passed"]
+    assert isinstance(verdict, dict) and verdict["passed"], verdict
 
 
 def test_a_plan_never_splits_a_fused_moe_layer(moe_models):
@@ -312,46 +349,25 @@ def test_experts_a_format_cannot_take_are_named(tmp_path, assets):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
-def test_an_nvfp4_moe_checkpoint_runs_in_vllm(family, moe_models, text_file, tmp_path,
-                                               serve_python):
+def test_an_nvfp4_moe_checkpoint_runs_in_vllm(family, served):
     """vLLM's CPU platform gets fp4sense's NVFP4 fused-MoE experts (the plugin); a plan
     mixing NVFP4 and 16-bit units across attention, experts and shared experts serves."""
-    out = tmp_path / family
-    done = subprocess.run([FP4SENSE, "quantize", str(moe_models[family]), "--text",
-                           str(text_file), "--budget", "8.0", "--menu", "NVFP4,BF16",
-                           "--out", str(out), "--no-eval", *SMALL[:6]],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    out, verdict = _written(served, family)
     schemes = {c["scheme"] for c in json.loads((out / "plan.json").read_text())["choices"]
                if c["unit"].endswith("mlp.experts")}
     assert schemes & {"NVFP4", "NVFP4_SEARCH"}  # NVFP4 experts (searched scales by default)
-    done = subprocess.run([FP4SENSE, "verify-vllm", str(out), "--windows", "1", "--tokens",
-                           "128", "--serve-python", str(serve_python), "--json"],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert json.loads(done.stdout)["passed"]
+    assert isinstance(verdict, dict) and verdict["passed"], verdict
 
 
 @pytest.mark.slow
-def test_fp8_and_mxfp4_experts_run_in_vllm(moe_models, text_file, tmp_path, serve_python):
+def test_fp8_and_mxfp4_experts_run_in_vllm(served):
     """vLLM 0.32's CPU kernels for FP8 and MXFP4 experts need AMX (and its compressed-
     tensors MXFP4 method picks Marlin, a GPU kernel): the plugin's CPU experts serve a
     plan with MXFP4 experts in one block and FP8_DYNAMIC experts in the other, and
     vLLM's log-probabilities agree with the transformers evaluation."""
-    out = tmp_path / "mixed"
-    done = subprocess.run([FP4SENSE, "quantize", str(moe_models["qwen3_moe"]), "--text",
-                           str(text_file), "--budget", "8.0", "--menu",
-                           "MXFP4,FP8_DYNAMIC,BF16", "--pin", "0:mlp.experts=MXFP4",
-                           "--pin", "1:mlp.experts=FP8_DYNAMIC", "--no-scale-search",
-                           "--out", str(out), "--no-eval", *SMALL[:6]],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    out, verdict = _written(served, "mixed")
     chosen = {c["unit"]: c["scheme"]
               for c in json.loads((out / "plan.json").read_text())["choices"]}
     assert chosen["0:mlp.experts"] == "MXFP4" and chosen["1:mlp.experts"] == "FP8_DYNAMIC"
-    done = subprocess.run([FP4SENSE, "verify-vllm", str(out), "--windows", "1", "--tokens",
-                           "128", "--serve-python", str(serve_python), "--json"],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    verdict = json.loads(done.stdout)
+    assert isinstance(verdict, dict), verdict
     assert verdict["passed"] and verdict["mean_abs_diff"] < 0.1, verdict
