@@ -140,6 +140,10 @@ def quantize_args(p: argparse.ArgumentParser) -> None:
                         "grid steps are coarser (default 1)")
     p.add_argument("--distill-windows", type=positive_int, default=16,
                    help="calibration windows the distillation trains on")
+    p.add_argument("--distill-mode", choices=["end-to-end", "block"], default="end-to-end",
+                   help="end-to-end: the KL of the whole model (default); block: each "
+                        "decoder block in turn matches its unquantized output, STEPS steps "
+                        "per block, each step one block's forward and backward")
     p.add_argument("--distill-holdout", type=int, default=4, metavar="N",
                    help="further calibration windows, not trained on, that choose the "
                         "state the distillation ends on (0: none)")

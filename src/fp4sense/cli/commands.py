@@ -173,7 +173,8 @@ def _distill_settings(args: argparse.Namespace):
     from fp4sense.quantization.distill import DistillSettings
 
     return DistillSettings(steps=args.distill, lr=args.distill_lr, lr_4bit=args.distill_lr_4bit,
-                           windows=args.distill_windows, holdout=args.distill_holdout)
+                           windows=args.distill_windows, holdout=args.distill_holdout,
+                           mode=args.distill_mode)
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:

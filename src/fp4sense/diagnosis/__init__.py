@@ -2,10 +2,10 @@
 
 ``views.analyze`` runs an analysis and returns a :class:`report.SensitivityReport`
 (saved as sensitivity.json); ``engine.Analysis`` does the work (block-output replay,
-the Fisher estimate), ``cache`` keeps finished entries (resumable), ``offload`` keeps one
-decoder block in memory at a time, ``stats`` holds the statistics over windows, ``units``
-splits a model into units and ``experts`` finds MoE experts, routers and weights nothing
-explains. A new
+the Fisher estimate; ``blockio``: a decoder block's call, kept and replayed), ``cache``
+keeps finished entries (resumable), ``offload`` keeps one decoder block in memory at a
+time, ``stats`` holds the statistics over windows, ``units`` splits a model into units
+and ``experts`` finds MoE experts, routers and weights nothing explains. A new
 view is one :func:`views.register_view` (its targets and how a measured run replays it).
 """
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from fp4sense.diagnosis import estimate as blockio  # a block's call, kept and replayed
+from fp4sense.diagnosis import blockio
 from fp4sense.diagnosis.cache import EntryCache
 from fp4sense.diagnosis.experts import expert_hooks
 from fp4sense.diagnosis.footprint import BASE_LOGPROB_BYTES, WEIGHT_CACHE_BYTES
@@ -145,10 +145,10 @@ class Analysis:
         def call_hook(index):
             def hook(module, args, kwargs):
                 if index == 0:
-                    self.first_in[current["i"]] = blockio._hidden_input(args, kwargs).detach()
-                args, kwargs = blockio._with_hidden_input(args, kwargs, None)
-                self.calls[index][current["i"]] = blockio._moved(
-                    blockio._uncached(args, kwargs), self.device, memo)
+                    self.first_in[current["i"]] = blockio.hidden_input(args, kwargs).detach()
+                args, kwargs = blockio.with_hidden_input(args, kwargs, None)
+                self.calls[index][current["i"]] = blockio.moved(
+                    blockio.uncached(args, kwargs), self.device, memo)
             return hook
 
         def stat_hook(name):
@@ -177,7 +177,7 @@ class Analysis:
                                             disable=not self.progress)):
                 current["i"] = i
                 memo.clear()
-                logits = self.model(input_ids=window[None], **blockio._no_cache(self.model)
+                logits = self.model(input_ids=window[None], **blockio.no_cache(self.model)
                                     ).logits[0].float()
                 keep = (i + 1) * logits.numel() * 4 <= BASE_LOGPROB_BYTES
                 log_probs = torch.log_softmax(logits, dim=-1)
@@ -271,8 +271,8 @@ class Analysis:
             for b in range(start, n_blocks):  # block-major: each block loaded once
                 with self.store.held(b) if self.store is not None else nullcontext():
                     for i in range(n):
-                        x = blockio._hidden(outs[i]) if b else self.first_in[i]
-                        args, kwargs = blockio._with_hidden_input(*self.calls[b][i], x)
+                        x = blockio.hidden(outs[i]) if b else self.first_in[i]
+                        args, kwargs = blockio.with_hidden_input(*self.calls[b][i], x)
                         outs[i] = self.blocks[b](*args, **kwargs)
                 if capture is not None:
                     capture[b][:] = outs
@@ -285,7 +285,7 @@ class Analysis:
         with self.replayed(n_blocks, current, [outs] * n_blocks):  # the head on the last
             for i, window in enumerate(self.windows):
                 current["i"] = i
-                logits = self.model(input_ids=window[None], **blockio._no_cache(self.model)
+                logits = self.model(input_ids=window[None], **blockio.no_cache(self.model)
                                     ).logits[0].float()
                 m = window_metrics(self.base_logprobs(i), logits, window)
                 per["kl"].append(float(m["kl"].double().mean()))

@@ -23,6 +23,14 @@ from contextlib import ExitStack
 import torch
 from tqdm.auto import tqdm
 
+from fp4sense.diagnosis.blockio import (
+    hidden,
+    hidden_input,
+    moved,
+    no_cache,
+    with_hidden,
+    with_hidden_input,
+)
 from fp4sense.numerics.fakequant import activation_quantizer
 
 __all__ = ["estimate", "streamed_input_bytes", "window_generator"]
@@ -38,9 +46,9 @@ def window_generator(seed: int, window: int, device: torch.device) -> torch.Gene
 def streamed_input_bytes(model, n_windows: int, window_tokens: int, n_blocks: int) -> int:
     """What the streamed estimate keeps on the CPU: every block's input for every window
     (hidden states in the model's dtype), plus one gradient per window in float32."""
-    hidden = model.get_input_embeddings().embedding_dim
+    width = model.get_input_embeddings().embedding_dim
     itemsize = next(model.parameters()).element_size()
-    return n_windows * window_tokens * hidden * (n_blocks * itemsize + 4)
+    return n_windows * window_tokens * width * (n_blocks * itemsize + 4)
 
 
 class _Scorer:
@@ -140,7 +148,7 @@ def _in_memory(run, scorer: _Scorer, scores: Scores, windows: Sequence[int], see
         for j, i in enumerate(tqdm(windows, desc="estimating (forward + backward)",
                                    leave=False, disable=not run.progress)):
             with torch.enable_grad():
-                logits = run.model(input_ids=run.windows[i][None], **_no_cache(run.model)).logits
+                logits = run.model(input_ids=run.windows[i][None], **no_cache(run.model)).logits
                 scorer.tokens = logits.shape[1] - 1
                 _sampled_loss(logits, window_generator(seed, i, run.device)).backward()
             if run.store is not None:
@@ -160,11 +168,11 @@ def _streamed(run, scorer: _Scorer, scores: Scores, windows: Sequence[int], seed
 
     def keep_input(b):
         def hook(module, args, kwargs):
-            calls[b][current["j"]] = _moved((args, kwargs), torch.device("cpu"), memo)
+            calls[b][current["j"]] = moved((args, kwargs), torch.device("cpu"), memo)
         return hook
 
     def keep_output(module, args, output):
-        last[current["j"]] = _moved(output, torch.device("cpu"), {})
+        last[current["j"]] = moved(output, torch.device("cpu"), {})
 
     # 1. forward without gradients: keep each block's input (and the last block's output)
     handles = [b.register_forward_pre_hook(keep_input(i), with_kwargs=True)
@@ -176,7 +184,7 @@ def _streamed(run, scorer: _Scorer, scores: Scores, windows: Sequence[int], seed
                                        disable=not run.progress)):
                 current["j"] = j
                 memo.clear()
-                run.model(input_ids=run.windows[i][None], **_no_cache(run.model))
+                run.model(input_ids=run.windows[i][None], **no_cache(run.model))
     finally:
         for h in handles:
             h.remove()
@@ -184,10 +192,10 @@ def _streamed(run, scorer: _Scorer, scores: Scores, windows: Sequence[int], seed
     # 2. the head: gradient of the sampled log-likelihood at the last block's output
     grads: list = [None] * len(windows)
     for j, i in enumerate(windows):
-        leaf = _hidden(last[j]).to(device).requires_grad_(True)
-        source = [[_with_hidden(last[j], leaf)]] * n_blocks  # every block replays it
+        leaf = hidden(last[j]).to(device).requires_grad_(True)
+        source = [[with_hidden(last[j], leaf)]] * n_blocks  # every block replays it
         with run.replayed(n_blocks, {"i": 0}, source), torch.enable_grad():
-            logits = run.model(input_ids=run.windows[i][None], **_no_cache(run.model)).logits
+            logits = run.model(input_ids=run.windows[i][None], **no_cache(run.model)).logits
             _sampled_loss(logits, window_generator(seed, i, device)).backward()
         scorer.tokens = logits.shape[1] - 1
         grads[j] = leaf.grad.detach().to("cpu")
@@ -201,12 +209,12 @@ def _streamed(run, scorer: _Scorer, scores: Scores, windows: Sequence[int], seed
                       leave=False, disable=not run.progress):
             for j in range(len(windows)):
                 memo.clear()
-                args, kwargs = _moved(calls[b][j], device, memo)
-                x = _hidden_input(args, kwargs).detach().requires_grad_(True)
-                args, kwargs = _with_hidden_input(args, kwargs, x)
+                args, kwargs = moved(calls[b][j], device, memo)
+                x = hidden_input(args, kwargs).detach().requires_grad_(True)
+                args, kwargs = with_hidden_input(args, kwargs, x)
                 with torch.enable_grad():
                     out = blocks[b](*args, **kwargs)
-                    _hidden(out).backward(grads[j].to(device))
+                    hidden(out).backward(grads[j].to(device))
                 grads[j] = x.grad.detach().to("cpu")
                 scorer.take(scores, j, names_of[b])
                 calls[b][j] = None
@@ -217,59 +225,8 @@ def _streamed(run, scorer: _Scorer, scores: Scores, windows: Sequence[int], seed
             h.remove()
 
 
-def _no_cache(model) -> dict:
-    """``use_cache=False`` where the model takes it: a recomputed block must not append
-    to a key/value cache its first forward filled."""
-    import inspect
-
-    return {"use_cache": False} if "use_cache" in inspect.signature(
-        model.forward).parameters else {}
-
-
 def _linears_by_block(run) -> list[set[str]]:
     out: list[set[str]] = [set() for _ in range(run.units.n_blocks)]
     for unit in run.units.units:
         out[unit.block].update(unit.modules)
     return out
-
-
-def _moved(obj, device: torch.device, memo: dict):
-    """``obj`` with every tensor moved to ``device`` (detached; a tensor shared by several
-    calls, such as the rotary embeddings, moved once)."""
-    if isinstance(obj, torch.Tensor):
-        key = id(obj)
-        if key not in memo:  # the original is kept with its copy, so its id stays its own
-            memo[key] = (obj, obj.detach().to(device))
-        return memo[key][1]
-    if isinstance(obj, tuple):
-        return tuple(_moved(o, device, memo) for o in obj)
-    if isinstance(obj, list):
-        return [_moved(o, device, memo) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _moved(v, device, memo) for k, v in obj.items()}
-    return obj
-
-
-def _hidden(output):
-    """A block's hidden-state output (blocks return it alone, or first in a tuple)."""
-    return output[0] if isinstance(output, tuple) else output
-
-
-def _with_hidden(output, hidden):
-    return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
-
-
-def _hidden_input(args, kwargs) -> torch.Tensor:
-    return args[0] if args else kwargs["hidden_states"]
-
-
-def _with_hidden_input(args, kwargs, x):
-    if args:
-        return (x, *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": x}
-
-def _uncached(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A block's arguments without a key/value cache (a replayed block must not append
-    to one its first call filled)."""
-    return args, {k: (None if k in ("past_key_values", "past_key_value") else
-                      False if k == "use_cache" else v) for k, v in kwargs.items()}

@@ -15,9 +15,11 @@ forward pass computes with the plan's formats:
 - only the quantized units' weights train (BF16 units, norms, embeddings stay as they
   are); AdamW with a cosine schedule, gradients clipped to norm 1.
 
-End to end (the whole model in memory, the best quality for its cost); a block-wise
-variant (each block matching its base output, as llm-compressor's sequential pipeline
-walks blocks) is not built. Two places in a oneshot:
+Two ways (``mode``): ``end-to-end``, the loss above on the whole model; or ``block``,
+each decoder block in turn trained to reproduce the unquantized block's output from the
+output of the blocks before it as quantized and trained
+(:mod:`fp4sense.quantization.blockwise`: a step costs one block, not the whole model,
+and the model's KL judges the run at the end). Two places in a oneshot:
 
 - before calibration (no GPTQ): the trained weights are then quantized by the usual
   oneshot, so every scale is derived from them by the format's own rules;
@@ -52,13 +54,17 @@ from pathlib import Path
 import torch
 from torch.nn.utils import parametrize
 
-from fp4sense.diagnosis.units import UnitMap, quantize_unit, unit_scales
-from fp4sense.numerics.fakequant import activation_quantizer
+from fp4sense.diagnosis.blockio import no_cache
+from fp4sense.diagnosis.units import UnitMap
 from fp4sense.numerics.schemes import get_scheme
+from fp4sense.quantization.blockwise import BlockTargets, record_blocks, train_blocks
 from fp4sense.quantization.qad_loop import DistillError, train
+from fp4sense.quantization.straight_through import FrozenRefresher, Refresher, install
 
-__all__ = ["DistillBase", "DistillError", "DistillSettings", "Frozen", "base_pass", "distill",
-           "trained_linears"]
+__all__ = ["MODES", "DistillBase", "DistillError", "DistillSettings", "Frozen", "base_pass",
+           "distill", "trained_linears"]
+
+MODES = ("end-to-end", "block")
 
 Quantizer = Callable[[torch.Tensor], torch.Tensor]
 
@@ -67,7 +73,7 @@ Quantizer = Callable[[torch.Tensor], torch.Tensor]
 class DistillSettings:
     """How QAD trains (recorded in the checkpoint's distill.json)."""
 
-    steps: int
+    steps: int  # optimizer steps (block-wise: per decoder block)
     lr: float = 5e-5
     lr_4bit: float = 1.0  # x lr for units with 4-bit weights (their grid steps are coarser)
     seed: int = 0
@@ -77,8 +83,12 @@ class DistillSettings:
     rise: float = 1.5  # a check-window mean above rise x the best one rolls back
     rescale_every: int = 20
     save_every: int = 20  # a multiple of check_every (a resumed run checks where it would have)
+    mode: str = "end-to-end"  # or "block" (each block matches its base output in turn)
 
     def check(self) -> None:
+        if self.mode not in MODES:
+            raise DistillError(f"the distillation mode must be one of {', '.join(MODES)}, "
+                               f"got {self.mode!r}")
         if not isinstance(self.steps, int) or self.steps < 1:
             raise DistillError(f"distillation steps must be a positive whole number, got "
                                f"{self.steps!r}; give e.g. --distill 100")
@@ -100,18 +110,6 @@ class DistillSettings:
             raise DistillError(f"rise must be above 1, got {self.rise}")
 
 
-class _StraightThrough(torch.nn.Module):
-    """weight -> weight + delta, delta = Q(weight) - weight held constant: the forward
-    computes with the quantized weight, the gradient reaches the master weight as is."""
-
-    def __init__(self):
-        super().__init__()
-        self.delta: torch.Tensor | None = None
-
-    def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight if self.delta is None else weight + self.delta
-
-
 @dataclass
 class DistillBase:
     """What the unquantized model gives the training, computed once: its log-probs per
@@ -120,6 +118,7 @@ class DistillBase:
     teacher: list[torch.Tensor]
     absmax: dict[str, float]
     importance: dict[str, torch.Tensor]
+    blocks: BlockTargets | None = None  # block-wise: each block's calls and base outputs
 
 
 @dataclass
@@ -164,18 +163,34 @@ def distill(model: torch.nn.Module, units: UnitMap, schemes: dict[str, str],
             p.requires_grad_(False)
         t0 = time.perf_counter()
         if base is None:
-            base = _base_pass(model, data, modules, names)
-        params, hooks = _install(model, modules, trained, base.absmax, frozen)
+            base = _base_pass(model, data, modules, names, _blocks_of(model, units, settings))
+        if settings.mode == "block" and base.blocks is None:
+            raise DistillError("block-wise distillation needs the base pass's block outputs; "
+                               "take it with base_pass(...) under the same settings")
+        params, hooks = install(modules, trained, base.absmax,
+                                frozen.inputs if frozen is not None else None)
         lr_scales = [settings.lr_4bit if scheme.weight_bits == 4 else 1.0
                      for unit, scheme in trained for _ in unit.modules]
-        quantizer = (_FrozenQuantizer(modules, names, frozen.weights) if frozen is not None
-                     else _Quantizer(modules, trained, base.importance))
+
+        def quantizer_of(part):
+            if frozen is not None:
+                return FrozenRefresher(modules, [m for u, _ in part for m in u.modules],
+                                       frozen.weights)
+            return Refresher(modules, part, base.importance)
+
+        quantizer = quantizer_of(trained)
         n = len(data) - settings.holdout  # trained on the first n, judged on the rest
         held = (data[n:], base.teacher[n:]) if settings.holdout else None
+        state = Path(state_dir) if state_dir else None
         try:
-            record = train(model, data[:n], base.teacher[:n], params, quantizer, settings,
-                           Path(state_dir) if state_dir else None, key, progress, log, held,
-                           lr_scales)
+            if settings.mode == "block":
+                record = train_blocks(model, units, trained, base.blocks, data, base.teacher,
+                                      dict(zip(names, params, strict=True)),
+                                      dict(zip(names, lr_scales, strict=True)), quantizer_of,
+                                      quantizer, settings, state, key, progress, log)
+            else:
+                record = train(model, data[:n], base.teacher[:n], params, quantizer,
+                               settings, state, key, progress, log, held, lr_scales)
             done = True
         finally:
             for h in hooks:
@@ -191,6 +206,7 @@ def distill(model: torch.nn.Module, units: UnitMap, schemes: dict[str, str],
     record["windows_trained"] = n
     record["start"] = (f"after {frozen.name}, under its scales" if frozen is not None
                        else "before calibration")
+    record["mode"] = settings.mode
     return record
 
 
@@ -202,9 +218,15 @@ def base_pass(model: torch.nn.Module, units: UnitMap, schemes: dict[str, str],
     names = trained_linears(units, schemes)
     data = _split(windows, settings).to(next(model.parameters()).device)
     with _float32(model):
-        got = _base_pass(model, data, dict(model.named_modules()), names)
+        got = _base_pass(model, data, dict(model.named_modules()), names,
+                         _blocks_of(model, units, settings))
     got.teacher = [t.cpu() for t in got.teacher]
     return got
+
+
+def _blocks_of(model, units: UnitMap, settings: DistillSettings):
+    """The decoder blocks whose calls and outputs the base pass keeps (block-wise)."""
+    return model.get_submodule(units.blocks_path) if settings.mode == "block" else None
 
 
 def _split(windows: torch.Tensor, settings: DistillSettings) -> torch.Tensor:
@@ -253,8 +275,9 @@ def _float32(model: torch.nn.Module):
 
 
 @torch.no_grad()
-def _base_pass(model, data, modules, names):
-    """Base log-probs per window (bf16), each linear's input max and E[x^2]."""
+def _base_pass(model, data, modules, names, blocks=None):
+    """Base log-probs per window (bf16), each linear's input max and E[x^2]; with
+    ``blocks``, what block-wise training replays (:func:`record_blocks`)."""
     absmax = {m: 0.0 for m in names}
     sq: dict[str, torch.Tensor] = {}
     rows = {m: 0 for m in names}
@@ -268,70 +291,17 @@ def _base_pass(model, data, modules, names):
         return pre
 
     handles = [modules[m].register_forward_pre_hook(hook(m)) for m in names]
+    current = {"i": 0}
     try:
-        teacher = [torch.log_softmax(model(input_ids=w[None]).logits[0].float(), -1)
-                   .to(torch.bfloat16) for w in data]
+        with (record_blocks(blocks, len(data), current) if blocks is not None
+              else contextlib.nullcontext()) as kept:
+            teacher = []
+            for i, w in enumerate(data):
+                current["i"] = i
+                teacher.append(torch.log_softmax(model(input_ids=w[None], **no_cache(model))
+                                                 .logits[0].float(), -1).to(torch.bfloat16))
     finally:
         for h in handles:
             h.remove()
-    return DistillBase(teacher, absmax, {m: sq[m] / rows[m] for m in names if rows[m]})
-
-
-def _install(model, modules, trained, absmax, frozen: Frozen | None):
-    """Straight-through weights and inputs; returns the trainable weights and hooks."""
-    params, hooks = [], []
-    for unit, scheme in trained:
-        for m in unit.modules:
-            mod = modules[m]
-            parametrize.register_parametrization(mod, "weight", _StraightThrough(),
-                                                 unsafe=True)
-            weight = mod.parametrizations.weight.original
-            weight.requires_grad_(True)
-            params.append(weight)
-            quantize_input = (frozen.inputs.get(m) if frozen is not None
-                              else activation_quantizer(scheme, absmax[m] or None))
-            if quantize_input is not None:
-                hooks.append(mod.register_forward_pre_hook(
-                    lambda _m, args, q=quantize_input: (
-                        args[0] + (q(args[0].detach()) - args[0]).detach(), *args[1:])))
-    return params, hooks
-
-
-class _Quantizer:
-    """Refreshes every straight-through delta from the current master weights."""
-
-    def __init__(self, modules, trained, importance):
-        self.modules, self.trained, self.importance = modules, trained, importance
-        self.scales: dict[str, torch.Tensor] = {}  # searched block scales, per linear
-
-    @torch.no_grad()
-    def refresh(self, search: bool) -> None:
-        for unit, scheme in self.trained:
-            mods = [self.modules[m] for m in unit.modules]
-            ws = [mod.parametrizations.weight.original for mod in mods]
-            imps = [self.importance.get(m) for m in unit.modules]
-            kept = None
-            if scheme.scale_search:  # searched now, or kept from the last search
-                if search or any(m not in self.scales for m in unit.modules):
-                    found = unit_scales(scheme.name, unit, ws, importance=imps)
-                    self.scales.update(zip(unit.modules, found, strict=True))
-                kept = [self.scales[m] for m in unit.modules]
-            qs = quantize_unit(scheme.name, unit, ws, importance=imps, block_scales=kept)
-            for mod, w, q in zip(mods, ws, qs, strict=True):
-                mod.parametrizations.weight[0].delta = (q.to(w.dtype) - w).detach()
-
-
-
-class _FrozenQuantizer:
-    """Refreshes the deltas with fixed-scale quantizers (nothing to search)."""
-
-    def __init__(self, modules, names, weights: dict[str, Quantizer]):
-        self.modules, self.names, self.weights = modules, names, weights
-        self.scales: dict[str, torch.Tensor] = {}  # (saved with a state; none here)
-
-    @torch.no_grad()
-    def refresh(self, search: bool) -> None:
-        for m in self.names:
-            w = self.modules[m].parametrizations.weight.original
-            q = self.weights[m](w)
-            self.modules[m].parametrizations.weight[0].delta = (q.to(w.dtype) - w).detach()
+    return DistillBase(teacher, absmax, {m: sq[m] / rows[m] for m in names if rows[m]},
+                       kept)

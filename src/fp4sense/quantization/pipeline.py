@@ -123,8 +123,9 @@ def quantize_model(
 
         distill.check()
         if low_memory:
-            raise DistillError("--distill trains the whole model in memory; drop "
-                               "--low-memory (block-wise distillation is not built)")
+            raise DistillError("--distill trains inside llm-compressor's oneshot, which holds "
+                               "the whole model in memory (also with --distill-mode block); "
+                               "drop --low-memory")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     distributed.init_from_env(placement.device, distributed.QUANTIZE_TIMEOUT_S)
@@ -306,7 +307,8 @@ def _record_training(plan, work: Path, text) -> None:
     (work / "distill.json").write_text(json.dumps(record, indent=1))
     plot_training(record, work / "distill.png")
     st = record["settings"]
-    plan.training = {"method": "qad", "steps": record["steps"], "text": record["text"],
+    plan.training = {"method": "qad", "mode": st.get("mode", "end-to-end"),
+                     "steps": record["steps"], "text": record["text"],
                      "windows": record.get("windows_trained", st["windows"]), "lr": st["lr"],
                      "seed": st["seed"], "start": record.get("start", "before calibration"),
                      "loss_before": record["loss_before"], "loss_after": record["loss_after"],

@@ -27,26 +27,32 @@ def _kl(model, window, teacher) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _mean_kl(model, data, teacher, quantizer, n: int = 4) -> float:
+def _mean_loss(loss, data, teacher, quantizer, n: int = 4) -> float:
     quantizer.refresh(search=True)
     pairs = list(zip(data[:n], teacher[:n], strict=False))
-    return sum(float(_kl(model, w, t)) for w, t in pairs) / len(pairs)
+    return sum(float(loss(w, t)) for w, t in pairs) / len(pairs)
 
 
 @torch.no_grad()
-def _held_kl(model, held, quantizer) -> float:
-    """Mean KL on the held-out windows under the scales in use (no new search)."""
+def _held_loss(loss, held, quantizer) -> float:
+    """Mean loss on the held-out windows under the scales in use (no new search)."""
     quantizer.refresh(search=False)
-    return sum(float(_kl(model, w, t)) for w, t in zip(*held, strict=True)) / len(held[0])
+    return sum(float(loss(w, t)) for w, t in zip(*held, strict=True)) / len(held[0])
 
 
 def train(model, data, teacher, params, quantizer, st, state_dir: Path | None, key: str,
           progress: bool, log, held: tuple | None = None,
-          lr_scales: list[float] | None = None) -> dict:
+          lr_scales: list[float] | None = None, loss=None, label: str = "KL",
+          desc: str = "distill") -> dict:
     """Train ``params``; with ``held`` (windows, their base log-probs) every checked state
     is judged on those windows too and the run ends on the lowest there (the starting
     state included), so it never ends worse on them than it began. ``lr_scales``
-    (parallel to ``params``) multiply the learning rate per tensor."""
+    (parallel to ``params``) multiply the learning rate per tensor. ``loss(item,
+    target)`` (default: ``model``'s KL to the base log-probs of a window) is what
+    trains, judged and said as ``label``; block-wise QAD trains a block's output error."""
+    if loss is None:
+        def loss(window, target):
+            return _kl(model, window, target)
     gen = torch.Generator().manual_seed(st.seed)
     order = [int(i) for _ in range(-(-st.steps // len(data)))
              for i in torch.randperm(len(data), generator=gen)]
@@ -56,9 +62,9 @@ def train(model, data, teacher, params, quantizer, st, state_dir: Path | None, k
     best: tuple[float, int, list[torch.Tensor]] | None = None
     step = 0
     saved = _load_state(state_dir, key, st) if state_dir else None
-    loss_before = _mean_kl(model, data, teacher, quantizer)
+    loss_before = _mean_loss(loss, data, teacher, quantizer)
     chosen: tuple[float, int, list[torch.Tensor]] | None = None  # lowest held-out KL
-    held_before = _held_kl(model, held, quantizer) if held is not None else None
+    held_before = _held_loss(loss, held, quantizer) if held is not None else None
     if held is not None:
         chosen = (held_before, 0, [p.detach().clone() for p in params])
     if saved is not None:
@@ -67,12 +73,12 @@ def train(model, data, teacher, params, quantizer, st, state_dir: Path | None, k
         step, lr, hist, rollbacks = saved["step"], saved["lr"], saved["hist"], saved["rollbacks"]
         best, quantizer.scales = saved["best"], saved["scales"]
         chosen = saved.get("chosen", chosen)
-        log(f"distill: resumed at step {step} of {st.steps} from {state_dir / STATE_FILE}")
+        log(f"{desc}: resumed at step {step} of {st.steps} from {state_dir / STATE_FILE}")
     groups = _groups(params, lr_scales)
     opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
     if saved is not None:
         opt.load_state_dict(saved["opt"])
-    bar = tqdm(total=st.steps, initial=step, desc="distill", disable=not progress)
+    bar = tqdm(total=st.steps, initial=step, desc=desc, disable=not progress, leave=False)
     window_losses: list[float] = []
     start: tuple[int, list[torch.Tensor]] | None = None  # the state a check window began at
     while step < st.steps:
@@ -84,10 +90,10 @@ def train(model, data, teacher, params, quantizer, st, state_dir: Path | None, k
             group["lr"] = group["scale"] * now
         opt.zero_grad(set_to_none=True)
         i = order[step]
-        loss = _kl(model, data[i], teacher[i])
-        loss.backward()
+        value_t = loss(data[i], teacher[i])
+        value_t.backward()
         norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
-        value = float(loss.detach())
+        value = float(value_t.detach())
         if math.isfinite(value) and math.isfinite(norm):
             opt.step()
         step += 1
@@ -105,7 +111,7 @@ def train(model, data, teacher, params, quantizer, st, state_dir: Path | None, k
             if not diverged and (best is None or mean < best[0]):
                 best = (mean, *start)
             if held is not None and not rolled:  # judge the state reached now
-                h = _held_kl(model, held, quantizer)
+                h = _held_loss(loss, held, quantizer)
                 if h < chosen[0]:
                     chosen = (h, step, [p.detach().clone() for p in params])
             if rolled:
@@ -119,7 +125,7 @@ def train(model, data, teacher, params, quantizer, st, state_dir: Path | None, k
                 what = "was not finite" if diverged else f"rose to {mean:.4f}"
                 rollbacks.append({"step": step, "to_step": best[1], "lr": lr,
                                   "why": what})
-                log(f"distill: the loss {what} at step {step} (best {best[0]:.4f} at step "
+                log(f"{desc}: the loss {what} at step {step} (best {best[0]:.4f} at step "
                     f"{best[1]}): rolled back to step {best[1]}, learning rate now {lr:g}")
         if state_dir is not None and (step % st.save_every == 0 or step == st.steps):
             _save_state(state_dir, key, st, params, opt, step, lr, hist, rollbacks, best,
@@ -129,26 +135,26 @@ def train(model, data, teacher, params, quantizer, st, state_dir: Path | None, k
     if held is not None:  # end on the state the held-out windows judge best
         for p, v in zip(params, chosen[2], strict=True):
             p.data.copy_(v)
-    loss_after = _mean_kl(model, data, teacher, quantizer)
+    loss_after = _mean_loss(loss, data, teacher, quantizer)
     if held is not None:
         extra["holdout"] = {"windows": len(held[0]), "before": held_before,
-                            "after": _held_kl(model, held, quantizer), "step": chosen[1]}
-        log(f"distill: ended on the state of step {chosen[1]}, the lowest KL on "
+                            "after": _held_loss(loss, held, quantizer), "step": chosen[1]}
+        log(f"{desc}: ended on the state of step {chosen[1]}, the lowest {label} on "
             f"{len(held[0])} held-out windows ({held_before:.4f} -> "
             f"{extra['holdout']['after']:.4f})")
     elif best is not None and best[1] != step:  # end on the better of the last and best
         last = [p.detach().clone() for p in params]
         for p, v in zip(params, best[2], strict=True):
             p.data.copy_(v)
-        at_best = _mean_kl(model, data, teacher, quantizer)
+        at_best = _mean_loss(loss, data, teacher, quantizer)
         if at_best < loss_after:
             loss_after = at_best
-            log(f"distill: ended on the state of step {best[1]} (lower KL than the last)")
+            log(f"{desc}: ended on the state of step {best[1]} (lower {label} than the last)")
         else:
             for p, v in zip(params, last, strict=True):
                 p.data.copy_(v)
             quantizer.refresh(search=True)
-    log(f"distill: {st.steps} steps, KL on the first training windows {loss_before:.4f} -> "
+    log(f"{desc}: {st.steps} steps, {label} on the first training windows {loss_before:.4f} -> "
         f"{loss_after:.4f}" + (f", {len(rollbacks)} rollback(s)" if rollbacks else ""))
     return {"steps": st.steps, "loss_before": loss_before, "loss_after": loss_after,
             "rollbacks": rollbacks, "history": hist, **extra}

@@ -219,19 +219,31 @@ def _training_lines(plan) -> list[str]:
                  "its best state with half the learning rate." if t.get("rollbacks") else "")
     after_gptq = t.get("start", "").startswith("after GPTQ")
     held = t.get("holdout")
-    ended = (f" The run ended on the state of step {held['step']}, the lowest KL on "
-             f"{held['windows']} held-out windows it did not train on ({held['before']:.4f} "
-             f"before, {held['after']:.4f} after)." if held else "")
+    block = t.get("mode") == "block"
+    if block:
+        ended = (f" The KL on {held['windows']} held-out windows it did not train on went "
+                 f"{held['before']:.4f} -> {held['after']:.4f}"
+                 + (" (training kept)." if held["step"] else
+                    "; the training raised it, so the starting weights were kept.")
+                 if held else "")
+    else:
+        ended = (f" The run ended on the state of step {held['step']}, the lowest KL on "
+                 f"{held['windows']} held-out windows it did not train on "
+                 f"({held['before']:.4f} before, {held['after']:.4f} after)." if held else "")
     scales = ("Training started from GPTQ's rounded weights under the scales GPTQ "
               "calibrated and ended on that grid: the checkpoint stores the trained model."
               if after_gptq else
               "The scales were then derived from the trained weights as for any checkpoint.")
+    how = ("block by block: each decoder block in turn was trained for "
+           f"{t['steps']} steps to reproduce the unquantized block's output from the "
+           "output of the blocks before it as quantized and trained, the forward pass "
+           "computing with the plan's formats (straight-through gradients)" if block else
+           f"for {t['steps']} steps by quantization-aware distillation: the forward pass "
+           "computed with the plan's formats (straight-through gradients) and the loss was "
+           "the KL divergence to the unquantized model's next-token distributions")
     return ["## FP4 training", "",
             f"After planning{' and GPTQ' if after_gptq else ''}, the weights were trained "
-            f"for {t['steps']} steps by "
-            "quantization-aware distillation: the forward pass computed with the plan's "
-            "formats (straight-through gradients) and the loss was the KL divergence to the "
-            f"unquantized model's next-token distributions on {t['windows']} windows of "
+            f"{how}, on {t['windows']} windows of "
             f"{_text_name(t['text']) if t.get('text') else 'the calibration text'} (learning "
             f"rate {t['lr']:g}, seed {t['seed']}). KL on the first training windows: "
             f"{t['loss_before']:.4f} before, {t['loss_after']:.4f} after.{ended}{rollbacks} "

@@ -147,14 +147,20 @@ def plot_training(record: dict, path: Path) -> Path:
     plt = pyplot()
     hist = record["history"]
     fig, (ax_loss, ax_norm) = plt.subplots(1, 2, figsize=(9, 3.2))
-    ax_loss.plot(hist["step"], hist["loss"], lw=0.8, label="KL(base ‖ quantized), per step")
-    ax_loss.axhline(record["loss_before"], color="grey", ls="--", lw=0.8, label="before")
-    ax_loss.axhline(record["loss_after"], color="green", ls="--", lw=0.8, label="after")
+    block = record.get("mode") == "block"  # each block's own loss, block after block
+    ax_loss.plot(hist["step"], hist["loss"], lw=0.8,
+                 label=("relative output error of the block trained, per step" if block
+                        else "KL(base ‖ quantized), per step"))
+    if not block:
+        ax_loss.axhline(record["loss_before"], color="grey", ls="--", lw=0.8, label="before")
+        ax_loss.axhline(record["loss_after"], color="green", ls="--", lw=0.8, label="after")
     ax_norm.plot(hist["step"], hist["grad_norm"], lw=0.8, color="tab:orange")
     for r in record["rollbacks"]:
         for ax in (ax_loss, ax_norm):
             ax.axvline(r["step"], color="red", lw=0.8)
-    ax_loss.set(xlabel="step", ylabel="KL", title="distillation loss")
+    ax_loss.set(xlabel="step (block-wise: block x steps + step)" if block else "step",
+                ylabel="relative output error" if block else "KL", title="distillation loss",
+                yscale="log" if block else "linear")
     ax_norm.set(xlabel="step", ylabel="gradient norm (before clipping at 1)", yscale="log",
                 title="gradient norm")
     ax_loss.legend(fontsize=7)

@@ -61,6 +61,8 @@ class QuantizationAwareDistillationModifier(Modifier):
     :param windows: calibration samples trained on (their base log-probs stay in memory)
     :param holdout: further calibration samples, not trained on, that choose the state
         the training ends on (the lowest KL on them, the starting state included)
+    :param mode: ``end-to-end`` (the whole model's KL) or ``block`` (each decoder block in
+        turn matches its unquantized output; ``steps`` per block)
     :param state_dir: where an interrupted run saves and resumes (optional)
     :param device: where training runs (default: the first CUDA device when there is one,
         else where the model is); the model goes back afterwards
@@ -76,6 +78,7 @@ class QuantizationAwareDistillationModifier(Modifier):
     rise: float = 1.5
     rescale_every: int = 20
     save_every: int = 20
+    mode: str = "end-to-end"
     state_dir: str | None = None
     device: str | None = None
     # it trains on the calibration data (and so needs the sequential pipeline's data)
@@ -94,7 +97,8 @@ class QuantizationAwareDistillationModifier(Modifier):
         settings = DistillSettings(
             steps=self.steps, lr=self.lr, lr_4bit=self.lr_4bit, seed=self.seed,
             windows=self.windows, holdout=self.holdout, check_every=self.check_every,
-            rise=self.rise, rescale_every=self.rescale_every, save_every=self.save_every)
+            rise=self.rise, rescale_every=self.rescale_every, save_every=self.save_every,
+            mode=self.mode)
         settings.check()
         windows = _training_windows(state, self.windows + self.holdout, self.seed)
         units = find_units(model, windows[:1, :16])

@@ -1,0 +1,89 @@
+"""The straight-through fake quantization QAD trains under: every trained linear's weight
+is ``W + (Q(W) - W)`` with the difference held constant (the forward computes with the
+quantized weight, the gradient reaches the float32 master weight as is), and W4A4 / W8A8
+inputs the same; a quantizer refreshes the differences from the current weights (see
+:mod:`fp4sense.quantization.distill`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.nn.utils import parametrize
+
+from fp4sense.diagnosis.units import quantize_unit, unit_scales
+from fp4sense.numerics.fakequant import activation_quantizer
+
+__all__ = ["FrozenRefresher", "Refresher", "install"]
+
+
+class _StraightThrough(torch.nn.Module):
+    """weight -> weight + delta, delta = Q(weight) - weight held constant: the forward
+    computes with the quantized weight, the gradient reaches the master weight as is."""
+
+    def __init__(self):
+        super().__init__()
+        self.delta: torch.Tensor | None = None
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight if self.delta is None else weight + self.delta
+
+
+def install(modules, trained, absmax, inputs: dict[str, Callable] | None):
+    """Straight-through weights and inputs (``inputs``: fixed-scale input quantizers, per
+    linear, instead of fp4sense's own); returns the trainable weights and hooks."""
+    params, hooks = [], []
+    for unit, scheme in trained:
+        for m in unit.modules:
+            mod = modules[m]
+            parametrize.register_parametrization(mod, "weight", _StraightThrough(),
+                                                 unsafe=True)
+            weight = mod.parametrizations.weight.original
+            weight.requires_grad_(True)
+            params.append(weight)
+            quantize_input = (inputs.get(m) if inputs is not None
+                              else activation_quantizer(scheme, absmax[m] or None))
+            if quantize_input is not None:
+                hooks.append(mod.register_forward_pre_hook(
+                    lambda _m, args, q=quantize_input: (
+                        args[0] + (q(args[0].detach()) - args[0]).detach(), *args[1:])))
+    return params, hooks
+
+
+class Refresher:
+    """Refreshes every straight-through delta from the current master weights."""
+
+    def __init__(self, modules, trained, importance):
+        self.modules, self.trained, self.importance = modules, trained, importance
+        self.scales: dict[str, torch.Tensor] = {}  # searched block scales, per linear
+
+    @torch.no_grad()
+    def refresh(self, search: bool) -> None:
+        for unit, scheme in self.trained:
+            mods = [self.modules[m] for m in unit.modules]
+            ws = [mod.parametrizations.weight.original for mod in mods]
+            imps = [self.importance.get(m) for m in unit.modules]
+            kept = None
+            if scheme.scale_search:  # searched now, or kept from the last search
+                if search or any(m not in self.scales for m in unit.modules):
+                    found = unit_scales(scheme.name, unit, ws, importance=imps)
+                    self.scales.update(zip(unit.modules, found, strict=True))
+                kept = [self.scales[m] for m in unit.modules]
+            qs = quantize_unit(scheme.name, unit, ws, importance=imps, block_scales=kept)
+            for mod, w, q in zip(mods, ws, qs, strict=True):
+                mod.parametrizations.weight[0].delta = (q.to(w.dtype) - w).detach()
+
+
+class FrozenRefresher:
+    """Refreshes the deltas with fixed-scale quantizers (nothing to search)."""
+
+    def __init__(self, modules, names, weights: dict[str, Callable]):
+        self.modules, self.names, self.weights = modules, names, weights
+        self.scales: dict[str, torch.Tensor] = {}  # (saved with a state; none here)
+
+    @torch.no_grad()
+    def refresh(self, search: bool) -> None:
+        for m in self.names:
+            w = self.modules[m].parametrizations.weight.original
+            q = self.weights[m](w)
+            self.modules[m].parametrizations.weight[0].delta = (q.to(w.dtype) - w).detach()
