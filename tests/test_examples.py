@@ -101,3 +101,29 @@ def test_cli_walkthrough_runs_every_step(tiny_llama, text_file, tmp_path, serve_
     assert json.loads((walk / "eval.json").read_text())["effective_bits"] <= 5.5
     assert "\nPASS" in proc.stdout
     assert "dry run: every check passed; nothing was uploaded" in proc.stdout
+
+
+@pytest.mark.slow
+def test_qad_recipe_trains_after_gptq_through_oneshot(tiny_llama, tmp_path):
+    """The QAD example recipe (planner, GPTQ, block-wise QAD) runs through llm-compressor's
+    oneshot as it stands, a few steps and samples fewer, and saves a checkpoint."""
+    import torch
+    import yaml
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM
+
+    import fp4sense_llmcompressor  # noqa: F401
+    from fp4sense.checkpoint.checks import check_checkpoint
+    from test_schemes import _calibration
+
+    recipe = yaml.safe_load((REPO / "examples" / "qad_recipe.yaml").read_text())
+    stage = recipe["quant_stage"]["quant_modifiers"]
+    stage["SensitivityGuidedModifier"]["budget_bits"] = 5.5  # the tiny model's blocks
+    stage["QuantizationAwareDistillationModifier"].update(steps=4, windows=3, holdout=1)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))  # the modifiers' order
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
+    oneshot(model=model, recipe=str(path), dataset=_calibration(tiny_llama),
+            num_calibration_samples=4, max_seq_length=64)
+    model.save_pretrained(tmp_path / "ck", save_compressed=True)
+    check_checkpoint(tmp_path / "ck")

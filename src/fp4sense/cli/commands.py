@@ -167,12 +167,11 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
 
 
 def _distill_settings(args: argparse.Namespace):
-    """``--distill STEPS`` (and its learning rate / windows) as DistillSettings, or None."""
+    """``--distill STEPS`` (with its mode, learning rate, windows) as DistillSettings."""
     if args.distill is None:
         return None
     from fp4sense.quantization.distill import DistillSettings
-
-    return DistillSettings(steps=args.distill, lr=args.distill_lr, lr_4bit=args.distill_lr_4bit,
+    return DistillSettings(args.distill, args.distill_lr, args.distill_lr_4bit,
                            windows=args.distill_windows, holdout=args.distill_holdout,
                            mode=args.distill_mode)
 
