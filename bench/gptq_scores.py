@@ -1,0 +1,246 @@
+"""Benchmark: should a unit's score be taken after GPTQ?
+
+A plan scores each (unit, scheme) by its estimated damage under round-to-nearest
+weights, then GPTQ rounds the planned model. Units that GPTQ repairs well might need
+fewer bits than their RTN score says. This measures it on SmolLM2 per protocol.md, for
+one menu at a time (searched-scale FP4, FP8_DYNAMIC, BF16):
+
+1. one uniform GPTQ run per quantizing scheme of the menu (llm-compressor's oneshot with
+   `SensitivityGuidedModifier` + `GPTQModifier`, the recipe `fp4sense quantize --gptq`
+   runs, every unit that scheme, the 32 calibration windows in order);
+2. the plan's Fisher estimate (the first 8 calibration windows), with each linear's
+   quantized weight taken from that run instead of RTN: a report of scores after GPTQ;
+3. at each budget, the plan from the RTN report and the plan from the after-GPTQ report,
+   each run with GPTQ the same way and evaluated in memory (16 evaluation windows; KL,
+   PPL, top-1 per protocol; bits from the plan's accounting, which equals the written
+   bytes).
+
+Every oneshot here runs on the float32 model (`fp4sense quantize` loads bfloat16, as
+llm-compressor does): bfloat16 matrix products are several times slower than float32
+on CPUs without native bfloat16, and this is a comparison of two plans under the same
+GPTQ, not a checkpoint. The NVFP4 global scale then comes from a float32 amax, so the
+rows are close to, not bit for bit, the checkpoints' (`bench/stack.py`'s plan + GPTQ).
+
+The RTN estimate is `bench/stack.py`'s (its cache's sensitivity.json) when given and it
+scores the menu, else computed here. Resumable (``--cache``).
+Results: bench/results/gptq_scores_<menu>.{json,md}.
+
+    .venv/bin/python bench/gptq_scores.py [--menu weight-only] [--budgets 5.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from done import Done  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MENUS = {"weight-only": ["NVFP4A16_SEARCH", "FP8_DYNAMIC", "BF16"],
+         "W4A4": ["NVFP4_SEARCH", "FP8_DYNAMIC", "BF16"],
+         "MX": ["MXFP4", "FP8_DYNAMIC", "BF16"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--menu", default="weight-only", choices=list(MENUS))
+    parser.add_argument("--budgets", default="5.0")
+    parser.add_argument("--report", type=Path, default=RESULTS / ".stack-cache" /
+                        "sensitivity.json", help="the RTN estimate (computed when absent)")
+    parser.add_argument("--cache", type=Path, default=RESULTS / ".gptq-scores-cache")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--qad-steps", type=int, default=0,
+                        help="also run the after-GPTQ plan with GPTQ then block-wise QAD "
+                             "(this many steps per block, learning rate --qad-lr, 28 "
+                             "windows trained and 4 held out, as bench/stack.py's rows)")
+    parser.add_argument("--qad-lr", type=float, default=5e-4)
+    args = parser.parse_args(argv)
+    out = args.out or RESULTS / f"gptq_scores_{args.menu.replace('-', '_')}.json"
+
+    from fp4sense.api import BUNDLED_MODEL_NOTE, analysis_windows, load_model
+    from fp4sense.diagnosis import SensitivityReport, analyze
+    from fp4sense.diagnosis.units import model_fingerprint
+    from fp4sense.inputs.texts import protocol_windows
+    from fp4sense.planning.milp import solve
+
+    menu = MENUS[args.menu]
+    quantizing = [s for s in menu if s != "BF16"]
+    args.cache.mkdir(parents=True, exist_ok=True)
+    done = Done(args.cache / "rows.jsonl")
+    model, tok, _ = load_model(None)
+    fingerprint = model_fingerprint(model)
+    calib = analysis_windows(tok, None, 32, 512)
+    evalw = protocol_windows(tok, "evaluation", 16)
+
+    rtn_path = args.report
+    if not rtn_path.is_file() or not set(quantizing) <= set(
+            SensitivityReport.load(rtn_path, fingerprint).schemes):
+        rtn_path = args.cache / "sensitivity-rtn.json"
+        if not rtn_path.is_file():
+            t = time.perf_counter()
+            analyze(model, calib[:8], schemes=quantizing, views=["grid"],
+                    modes=["estimated"], cache_dir=args.cache / "analysis",
+                    log=print).save(rtn_path)
+            done.keep({"key": "estimate-rtn", "wall_s": round(time.perf_counter() - t, 1)})
+    rtn = SensitivityReport.load(rtn_path, fingerprint)
+
+    # 1. uniform GPTQ, one run per scheme; its quantized weights kept
+    after_path = args.cache / "sensitivity-after-gptq.json"
+    if not after_path.is_file():
+        taken: dict[tuple[str, str], torch.Tensor] = {}
+        for s in quantizing:
+            t = time.perf_counter()
+            plan = solve(rtn, budget_bits=16.0, menu=[s], mode="estimated")
+            gptq, _ = gptq_model(plan, calib, tok, args.cache / f"plan-uniform-{s}.json")
+            for u in rtn.units.units:
+                for m in u.modules:
+                    taken[(m, s)] = gptq.get_submodule(m).weight.detach().clone()
+            del gptq
+            done.keep({"key": f"uniform|{s}", "wall_s": round(time.perf_counter() - t, 1)})
+        # 2. the estimate with GPTQ's weights
+        t = time.perf_counter()
+        estimate_after_gptq(model, calib[:8], quantizing, taken).save(after_path)
+        done.keep({"key": "estimate-after-gptq", "wall_s": round(time.perf_counter() - t, 1)})
+        del taken
+    after = SensitivityReport.load(after_path, fingerprint)
+
+    repair = {}
+    for s in quantizing:
+        before, now = rtn.unit_scores(s, "estimated"), after.unit_scores(s, "estimated")
+        ratios = sorted(now[u] / before[u] for u in before if before[u] > 0)
+        repair[s] = {"median": statistics.median(ratios), "min": ratios[0],
+                     "max": ratios[-1], "sum_rtn": sum(before.values()),
+                     "sum_after_gptq": sum(now.values())}
+
+    # 3. plans from both reports, with GPTQ, evaluated in memory
+    from fp4sense.evaluation.metrics import compare_models
+
+    rows = []
+    for budget in map(float, args.budgets.split(",")):
+        plans = {name: solve(rep, budget_bits=budget, menu=menu, mode="estimated")
+                 for name, rep in (("RTN scores", rtn), ("after-GPTQ scores", after))}
+        a, b = ({c.unit: c.scheme for c in p.choices} for p in plans.values())
+        moved = sum(a[u] != b[u] for u in a)
+        runs = [(name, plan, 0) for name, plan in plans.items()]
+        if args.qad_steps:
+            runs.append(("after-GPTQ scores", plans["after-GPTQ scores"], args.qad_steps))
+        for name, plan, qad in runs:
+            key = f"{args.menu}|{name}|{budget}" + (f"|block QAD {qad}" if qad else "")
+            if key not in done:
+                t = time.perf_counter()
+                distill = dict(steps=qad, lr=args.qad_lr, windows=28, holdout=4,
+                               mode="block") if qad else None
+                gptq, record = gptq_model(plan, calib, tok, args.cache / f"plan-{key}.json"
+                                          .replace("|", "_").replace(" ", ""), distill)
+                c = compare_models(model, gptq, evalw, desc="evaluating").to_dict()
+                del gptq
+                extra = {"qad": {k: record.get(k) for k in ("loss_before", "loss_after",
+                                                             "holdout", "time_s")}} if qad else {}
+                done.keep({"key": key, "bits": plan.bits, "kl": c["kl"], "kl_se": c["kl_se"],
+                           "ppl": c["ppl"], "top1": c["top1"], "schemes": plan.schemes(),
+                           "predicted_kl": plan.predicted_kl,
+                           "wall_s": round(time.perf_counter() - t, 1), **extra})
+            rows.append({"menu": args.menu, "scores": name, "budget": budget,
+                         "method": f"GPTQ + block QAD ({qad} steps per block, lr "
+                                   f"{args.qad_lr:g})" if qad else "GPTQ",
+                         "units_moved": moved, **done[key]})
+    result = {"command": "python bench/gptq_scores.py " + shlex.join(argv or sys.argv[1:]),
+              "menu": menu, "rtn_report": rtn_path.name, "repair": repair,
+              "timings": {k: v["wall_s"] for k, v in done.items() if "|" not in k
+                          or k.startswith("uniform|")},
+              "rows": rows, "caveat": BUNDLED_MODEL_NOTE}
+    out.write_text(json.dumps(result, indent=1))
+    write_markdown(result, out.with_suffix(".md"))
+    print(out.with_suffix(".md").read_text())
+    return 0
+
+
+def gptq_model(plan, calib: torch.Tensor, tok, plan_path: Path, distill: dict | None = None):
+    """The bundled model in float32 after llm-compressor's oneshot with the plan and GPTQ
+    (the recipe of `fp4sense quantize --gptq`, and with ``distill`` the QAD modifier's
+    fields, QAD after GPTQ as `--gptq --distill`), its weights fake-quantized once; and
+    QAD's record (None without)."""
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from transformers import AutoModelForCausalLM
+
+    from fp4sense.checkpoint.loading import bake_weights
+    from fp4sense.inputs.assets import ensure_model
+    from fp4sense_llmcompressor.modifier import SensitivityGuidedModifier
+
+    plan.save(plan_path)
+    recipe = [SensitivityGuidedModifier(plan=str(plan_path)), GPTQModifier()]
+    if distill is not None:
+        from fp4sense_llmcompressor.distill import QuantizationAwareDistillationModifier
+
+        recipe.append(QuantizationAwareDistillationModifier(**distill))
+    model = AutoModelForCausalLM.from_pretrained(ensure_model(log=lambda m: None),
+                                                 dtype=torch.float32)
+    data = Dataset.from_dict({"input_ids": calib.tolist(),
+                              "attention_mask": torch.ones_like(calib).tolist()})
+    oneshot(model=model, recipe=recipe, dataset=data, num_calibration_samples=len(calib),
+            max_seq_length=calib.shape[1], processor=tok, shuffle_calibration_samples=False)
+    bake_weights(model)
+    return model.eval(), recipe[-1].record if distill is not None else None
+
+
+def estimate_after_gptq(model, windows, schemes, taken: dict):
+    """The grid estimate of ``schemes``, each linear's quantized weight taken from
+    ``taken`` ((linear, scheme) -> weight after GPTQ) instead of round-to-nearest."""
+    import fp4sense.diagnosis.views as views
+    from fp4sense.diagnosis import analyze
+    from fp4sense.diagnosis.engine import Analysis
+
+    class AfterGPTQ(Analysis):
+        """Quantized weights of the listed schemes are GPTQ's, not RTN's."""
+
+        def _kept(self, unit, scheme, only=None):
+            if scheme not in schemes:
+                return super()._kept(unit, scheme, only)
+            return [taken[(m, scheme)] if only is None or i == only else None
+                    for i, m in enumerate(unit.modules)]
+
+    views.Analysis = AfterGPTQ
+    try:
+        return analyze(model, windows, schemes=schemes, views=["grid"], modes=["estimated"],
+                       cache_dir=None, text={"source": "calibration, scored after GPTQ"},
+                       log=print)
+    finally:
+        views.Analysis = Analysis
+
+
+def write_markdown(result: dict, path: Path) -> None:
+    lines = ["# Scores after GPTQ", "", f"`{result['command']}`", "", result["caveat"],
+             "GPTQ ran on the float32 model (see the script's docstring).", "",
+             f"Menu: {', '.join(result['menu'])}. GPTQ's repair per scheme (a unit's "
+             "estimated score after GPTQ / its RTN score):", "",
+             "| scheme | median | min | max | sum RTN | sum after GPTQ |",
+             "|---|---|---|---|---|---|"]
+    for s, r in result["repair"].items():
+        lines.append(f"| {s} | {r['median']:.3f} | {r['min']:.3f} | {r['max']:.3f} | "
+                     f"{r['sum_rtn']:.4f} | {r['sum_after_gptq']:.4f} |")
+    lines += ["", "Plans + GPTQ, evaluated in memory (16 evaluation windows):", "",
+              "| budget | plan from | units moved | then | bits | predicted | KL (± se) | PPL | "
+              "top-1 | schemes | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        schemes = ", ".join(f"{k} {v}" for k, v in sorted(r["schemes"].items()))
+        lines.append(f"| {r['budget']} | {r['scores']} | {r['units_moved']} | {r['method']} "
+                     f"| {r['bits']:.3f} "
+                     f"| {r['predicted_kl']:.4f} | {r['kl']:.4f} ± {r['kl_se']:.4f} | "
+                     f"{r['ppl']:.2f} | {r['top1']:.3f} | {schemes} | {r['wall_s']:.0f} |")
+    lines += ["", "Wall seconds: " + ", ".join(f"{k} {v}" for k, v in result["timings"].items())]
+    path.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
