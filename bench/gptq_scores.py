@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", default="5.0")
     parser.add_argument("--report", type=Path, default=RESULTS / ".stack-cache" /
                         "sensitivity.json", help="the RTN estimate (computed when absent)")
-    parser.add_argument("--cache", type=Path, default=RESULTS / ".gptq-scores-cache")
+    parser.add_argument("--cache", type=Path, default=RESULTS / ".gptq-scores-cache",
+                        help="resumable state, one folder per menu under it")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--qad-steps", type=int, default=0,
                         help="also run the after-GPTQ plan with GPTQ then block-wise QAD "
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     menu = MENUS[args.menu]
     quantizing = [s for s in menu if s != "BF16"]
+    args.cache = args.cache / args.menu  # a menu's reports and GPTQ runs are its own
     args.cache.mkdir(parents=True, exist_ok=True)
     done = Done(args.cache / "rows.jsonl")
     model, tok, _ = load_model(None)
