@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.qad_steps:
             runs.append(("after-GPTQ scores", plans["after-GPTQ scores"], args.qad_steps))
         for name, plan, qad in runs:
-            key = f"{args.menu}|{name}|{budget}" + (f"|block QAD {qad}" if qad else "")
+            key = f"{args.menu}|{name}|{budget}" + (f"|block QAD {qad} lr {args.qad_lr:g}"
+                                                     if qad else "")
             if key not in done:
                 t = time.perf_counter()
                 distill = dict(steps=qad, lr=args.qad_lr, windows=28, holdout=4,
@@ -145,15 +146,16 @@ def main(argv: list[str] | None = None) -> int:
                                           .replace("|", "_").replace(" ", ""), distill)
                 c = compare_models(model, gptq, evalw, desc="evaluating").to_dict()
                 del gptq
-                extra = {"qad": {k: record.get(k) for k in ("loss_before", "loss_after",
-                                                             "holdout", "time_s")}} if qad else {}
+                kept = ("loss_before", "loss_after", "holdout", "time_s")
+                extra = {"qad": {"steps": qad, "lr": args.qad_lr,
+                                 **{k: record.get(k) for k in kept}}} if qad else {}
                 done.keep({"key": key, "bits": plan.bits, "kl": c["kl"], "kl_se": c["kl_se"],
                            "ppl": c["ppl"], "top1": c["top1"], "schemes": plan.schemes(),
                            "predicted_kl": plan.predicted_kl,
                            "wall_s": round(time.perf_counter() - t, 1), **extra})
             rows.append({"menu": args.menu, "scores": name, "budget": budget,
-                         "method": f"GPTQ + block QAD ({qad} steps per block, lr "
-                                   f"{args.qad_lr:g})" if qad else "GPTQ",
+                         "method": "GPTQ + block QAD ({steps} steps per block, lr {lr:g})"
+                                   .format(**done[key]["qad"]) if qad else "GPTQ",
                          "units_moved": moved, **done[key]})
     result = {"command": "python bench/gptq_scores.py " + shlex.join(argv or sys.argv[1:]),
               "menu": menu, "rtn_report": rtn_path.name, "repair": repair,
