@@ -130,6 +130,10 @@ def quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin", action="append", metavar="UNIT_OR_REGEX=SCHEME",
                    help="force units to a scheme (repeatable)")
     p.add_argument("--gptq", action="store_true", help="round weights with GPTQ after planning")
+    p.add_argument("--gptq-scores", action="store_true",
+                   help="with --gptq: score the units after GPTQ, not after round-to-nearest "
+                        "(one more GPTQ oneshot per quantizing scheme of the menu, before "
+                        "planning; units GPTQ repairs well then cost fewer bits)")
     p.add_argument("--distill", type=positive_int, default=None, metavar="STEPS",
                    help="after planning, train the quantized model to match the unquantized "
                         "one for STEPS steps (quantization-aware distillation)")

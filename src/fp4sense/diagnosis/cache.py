@@ -55,9 +55,12 @@ class EntryCache:
                 fh.flush()
 
 
-def cache_key(fingerprint: str, windows: torch.Tensor) -> str:
-    """Cache identity: model weights, analysis tokens, and the computation's version."""
+def cache_key(fingerprint: str, windows: torch.Tensor, weights: str = "") -> str:
+    """Cache identity: model weights, analysis tokens, the computation's version, and
+    ``weights``, the identity of quantized weights given instead of round-to-nearest."""
     h = hashlib.sha256()
     h.update(f"{CACHE_VERSION}|{fingerprint}|{tuple(windows.shape)}".encode())
+    if weights:
+        h.update(f"|{weights}".encode())
     h.update(windows.to(torch.int64).numpy().tobytes())
     return h.hexdigest()[:20]

@@ -41,8 +41,11 @@ class Analysis:
 
     def __init__(self, model, windows: torch.Tensor, units: UnitMap, cache: EntryCache,
                  progress: bool, offload_dir: Path | None = None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, rounded=None):
         self.model = model
+        #: quantized weights given instead of round-to-nearest for the schemes they cover
+        #: (:class:`fp4sense.quantization.rounded.RoundedWeights`, e.g. GPTQ's)
+        self.rounded = rounded
         # everything computes where the model is (offloaded blocks are loaded there)
         self.device = torch.device(device) if device is not None else next(
             model.parameters()).device
@@ -97,21 +100,18 @@ class Analysis:
             self.original[unit.modules[index]].dtype)
 
     def _kept(self, unit: Unit, scheme: str, only: int | None = None) -> list:
-        """The unit's quantized weights in bf16 (with ``only``, that one; None others)."""
+        """The unit's quantized weights in bf16 (with ``only``, that one; None others):
+        round-to-nearest, or the given ones (:attr:`rounded`) for the schemes they cover."""
         key = (unit, scheme) if only is None else (unit, scheme, only)
         kept = self.qweights.get(key)
         if kept is not None:
             self.qweights.move_to_end(key)
             return kept
-        group = next(p for p in unit.scale_groups if only is None or only in p)
-        imps = [self.importance.get(m) for m in unit.modules]
-        # streamed: the temporaries leave memory when freed (a block's worth at a time)
-        with mapped_allocations() if self.store is not None else nullcontext():
-            # quantized in bf16 (the checkpoint's dtype), so bf16 holds them exactly
-            ws = quantize_unit(scheme, unit, [self.original[m] if only is None or i in group
-                                              else None for i, m in enumerate(unit.modules)],
-                               importance=imps if any(i is not None for i in imps) else None,
-                               out_dtype=torch.bfloat16, only=only)
+        if self.rounded is not None and scheme in self.rounded.schemes:
+            ws = [self.rounded.weight(m, scheme).to(self.device, torch.bfloat16)
+                  if only is None or i == only else None for i, m in enumerate(unit.modules)]
+        else:
+            ws = self._rounded_to_nearest(unit, scheme, only)
         size = _nbytes(ws)
         if size <= self.qweight_limit:  # the least recently used make room
             while self.qweights and self.qweight_bytes + size > self.qweight_limit:
@@ -120,6 +120,17 @@ class Analysis:
             self.qweights[key] = ws
             self.qweight_bytes += size
         return ws
+
+    def _rounded_to_nearest(self, unit: Unit, scheme: str, only: int | None) -> list:
+        group = next(p for p in unit.scale_groups if only is None or only in p)
+        imps = [self.importance.get(m) for m in unit.modules]
+        # streamed: the temporaries leave memory when freed (a block's worth at a time)
+        with mapped_allocations() if self.store is not None else nullcontext():
+            # quantized in bf16 (the checkpoint's dtype), so bf16 holds them exactly
+            return quantize_unit(scheme, unit, [self.original[m] if only is None or i in group
+                                                else None for i, m in enumerate(unit.modules)],
+                                 importance=imps if any(i is not None for i in imps) else None,
+                                 out_dtype=torch.bfloat16, only=only)
 
     # --- base pass: block outputs, base log-probs, activation statistics ---------------
     @torch.no_grad()

@@ -185,6 +185,7 @@ def analyze(
     context: dict[str, str] | None = None,
     offload_dir: str | os.PathLike | None = None,
     device: str | torch.device | None = None,
+    rounded=None,
 ) -> SensitivityReport:
     """Run the analysis; finished entries are cached under ``cache_dir`` (resumable).
 
@@ -199,6 +200,9 @@ def analyze(
         time (:mod:`fp4sense.diagnosis.estimate`).
     :param device: where to compute (default: where the model is); offloaded blocks are
         loaded there one at a time.
+    :param rounded: quantized weights to score instead of round-to-nearest, for the
+        schemes they cover (:class:`fp4sense.quantization.rounded.RoundedWeights`, e.g.
+        GPTQ's: the scores after GPTQ); the report's ``text["quantized_weights"]`` says so.
 
     Under torchrun (:mod:`fp4sense.runtime.distributed`) the ranks share the work: the
     measured runs round-robin, the estimate's windows likewise; every rank returns the
@@ -219,7 +223,9 @@ def analyze(
                              f"model has {units.n_blocks} decoder blocks (0–"
                              f"{units.n_blocks - 1})")
     fingerprint = model_fingerprint(model)
-    key = cache_key(fingerprint, windows)
+    key = cache_key(fingerprint, windows, rounded.identity if rounded is not None else "")
+    if rounded is not None:
+        text = {**(text or {}), "quantized_weights": rounded.source}
     cache = EntryCache(Path(cache_dir) / f"{key}.jsonl" if cache_dir else None)
     if cache.items:
         log(f"resuming: {len(cache.items)} cached results ({cache.path})")
@@ -227,7 +233,8 @@ def analyze(
     weights = weight_cache_bytes(units, len(schemes), block_scoped=streamed)
     check_cache_memory(model, windows, units, modes, views, streamed, log, weights)
     run = Analysis(model, windows, units, cache, progress,
-                   Path(offload_dir) if offload_dir is not None else None, device)
+                   Path(offload_dir) if offload_dir is not None else None, device,
+                   rounded=rounded)
     run.qweight_limit = weights
     try:
         return _run_views(run, model, windows, units, cache, schemes, views, modes,

@@ -59,15 +59,17 @@ def select_measured(report: SensitivityReport, measure: Callable[[dict[str, str]
     return plans[best], trials
 
 
-def measure_on(model: torch.nn.Module, units: UnitMap, windows: torch.Tensor
+def measure_on(model: torch.nn.Module, units: UnitMap, windows: torch.Tensor, rounded=None
                ) -> Callable[[dict[str, str]], float]:
     """unit -> scheme assignment -> the KL it measures on ``windows`` (fp4sense's bit-exact
     fake quantization of every unit at once; one base pass, made here, gives the input
-    scales and the scale-search weights from these windows)."""
+    scales and the scale-search weights from these windows). ``rounded``: the quantized
+    weights of the schemes it covers are its (GPTQ's), not round-to-nearest."""
     from fp4sense.diagnosis.cache import EntryCache
     from fp4sense.diagnosis.engine import Analysis
 
-    judge = Analysis(model, windows, units, EntryCache(None), progress=False)
+    judge = Analysis(model, windows, units, EntryCache(None), progress=False,
+                     rounded=rounded)
     judge.base_pass()
     by_name = units.by_name()
 

@@ -7,7 +7,9 @@ that applies a saved plan to a model and writes the compressed checkpoint
 (``fp4sense-llmcompressor`` registers ``llmcompressor``); ``fp4sense.moe_linearizers``
 names a function that rewrites a model's fused 3-D experts as one ``nn.Linear`` per expert
 and projection, the layout the host calibrates and saves (llm-compressor's
-``linearize_moe``).
+``linearize_moe``); ``fp4sense.rounders`` names a function that rounds a model with
+GPTQ under a saved plan and saves the quantized weights, not a checkpoint (the scores
+after GPTQ of :mod:`fp4sense.quantization.rounded`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
-__all__ = ["MOE_LINEARIZERS", "QUANTIZERS", "HostMissingError", "host", "quantizer"]
+__all__ = ["MOE_LINEARIZERS", "QUANTIZERS", "ROUNDERS", "HostMissingError", "host",
+           "quantizer"]
 
 #: entry-point group of plan appliers: f(source, calib, work, *, plan, gptq[, distill,
 #: state_dir]) -> recipe YAML
@@ -23,6 +26,9 @@ QUANTIZERS = "fp4sense.quantizers"
 DEFAULT_QUANTIZER = "llmcompressor"
 #: entry-point group of expert linearizers: f(model) -> model (experts as nn.Linear)
 MOE_LINEARIZERS = "fp4sense.moe_linearizers"
+#: entry-point group of GPTQ rounders: f(source, calib, out_file, *, plan) -> count of
+#: linears whose quantized weights (dequantized, bf16) it saved in safetensors out_file
+ROUNDERS = "fp4sense.rounders"
 
 
 class HostMissingError(ValueError):

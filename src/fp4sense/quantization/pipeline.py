@@ -31,6 +31,7 @@ def quantize_model(
     sensitivity_mode: str | None = None,
     pins: dict[str, str] | None = None,
     gptq: bool = False,
+    gptq_scores: bool = False,
     scale_search: bool = True,
     select_plans: int = 1,
     distill=None,
@@ -56,6 +57,12 @@ def quantize_model(
     (``NVFP4`` -> ``NVFP4_SEARCH``): same stored format and bits, block scales searched
     for the lowest output error; the plan takes it for the units where it scores lower.
     With GPTQ, GPTQ rounds under the searched scales.
+
+    ``gptq_scores`` (with ``gptq``) scores the units after GPTQ instead of after
+    round-to-nearest: each quantizing scheme of the menu first rounds the whole model with
+    GPTQ once (one more oneshot per scheme; files kept beside ``out_dir`` until publishing,
+    so an interrupted run resumes), and the estimate reads those weights
+    (:mod:`fp4sense.quantization.rounded`). Units GPTQ repairs well then cost fewer bits.
 
     ``select_plans`` > 1 measures that many best plans by prediction on 4 calibration
     windows the estimate did not use and keeps the lowest (the additivity correction of
@@ -118,6 +125,12 @@ def quantize_model(
         raise ValueError(f"select_plans must be at least 1, got {select_plans}")
     if sum(x is not None for x in (budget_bits, budget_bytes, kl_target)) != 1:
         raise ValueError("give exactly one of --budget, --budget-bytes, --kl-target")
+    if gptq_scores and not gptq:
+        raise ValueError("--gptq-scores scores the units after GPTQ rounds them; it needs "
+                         "--gptq")
+    if gptq_scores and sensitivity is not None:
+        raise ValueError(f"--gptq-scores estimates the scores after GPTQ itself; "
+                         f"--sensitivity {sensitivity} gives scores already: drop one")
     if distill is not None:
         from fp4sense.quantization.distill import DistillError
 
@@ -141,20 +154,28 @@ def quantize_model(
     work = distributed.on_main(lambda: _work_folder(out, log),  # None on the other ranks:
                                "creating the work folder")  # only rank 0 writes
     try:
-        report = None
+        report, rounded = None, None
+        quantized = [s for s in menu if get_scheme(s).quantizes]
+        if gptq_scores:  # rank 0 rounds; the ranks read its files
+            from fp4sense.quantization.rounded import RoundedWeights
+
+            t = time.perf_counter()
+            rounded = RoundedWeights(distributed.share(distributed.on_main(functools.partial(
+                _round_menu, hf_model, source, calib, quantized, out, log),
+                "rounding with GPTQ for --gptq-scores")))
+            timings["gptq_scores_s"] = time.perf_counter() - t
         if sensitivity is None:  # the ranks share the estimate's windows
             t = time.perf_counter()
-            quantized = [s for s in menu if get_scheme(s).quantizes]
             report = analyze(hf_model, calib[:estimate_windows], schemes=quantized,
                              views=["grid"], modes=["estimated"], cache_dir=None,
                              text={"source": text_name(text)},
-                             progress=progress, log=log)
+                             progress=progress, log=log, rounded=rounded)
             timings["sensitivity_s"] = time.perf_counter() - t
         planned = distributed.on_main(functools.partial(
             _plan, hf_model, report, sensitivity, menu, scale_search, calib, estimate_windows,
             select_plans, dict(budget_bits=budget_bits, budget_bytes=budget_bytes,
                                kl_target=kl_target, pins=pins, mode=sensitivity_mode),
-            hub_id, text, work, log), "planning")
+            hub_id, text, work, log, rounded), "planning")
         del hf_model
         main, rank = distributed.is_main(), distributed.rank()
         distributed.disband()  # the shared work is done: rank 0 goes on alone
@@ -195,6 +216,8 @@ def quantize_model(
                          gptq=gptq, name=out.name)
         if distill is not None:
             shutil.rmtree(_state_dir(out), ignore_errors=True)  # finished: nothing to resume
+        if rounded is not None:
+            shutil.rmtree(_rounding_dir(out), ignore_errors=True)
         (work / "fp4sense-quantize.json").write_text(json.dumps(result, indent=1))
         # publish: the finished folder replaces out_dir in one rename
         if out.exists():
@@ -236,9 +259,10 @@ def _work_folder(out: Path, log: Callable[[str], None]) -> Path:
 
 
 def _plan(model, report, sensitivity, menu, scale_search: bool, calib, estimate_windows: int,
-          select_plans: int, objective: dict, hub_id, text, work: Path, log):
+          select_plans: int, objective: dict, hub_id, text, work: Path, log, rounded=None):
     """Rank 0's part: the report (given or estimated) saved without local paths, the plan
-    solved once (or selected among the best measured) and saved for the modifier."""
+    solved once (or selected among the best measured) and saved for the modifier.
+    ``rounded``: the scores are after GPTQ, and the selection measures with its weights."""
     from fp4sense.numerics.schemes import get_scheme
     from fp4sense.planning.milp import plan_cost, solve
     from fp4sense.publishing.lineage import public_name
@@ -262,9 +286,11 @@ def _plan(model, report, sensitivity, menu, scale_search: bool, calib, estimate_
     selection = None
     if select_plans > 1:  # the predicted optimum is the first of the plans measured
         plan, selection = _select(model, report, calib, estimate_windows, select_plans,
-                                  objective, log)
+                                  objective, log, rounded)
     else:
         plan = solve(report, **objective)
+    if rounded is not None:
+        plan.damage_source = f"after-GPTQ {plan.damage_source}"
     log(f"plan: {plan.schemes()}, {plan.bits:.3f} bits per weight (menu reaches "
         f"{lo:.2f}–{hi:.2f}), predicted KL {plan.predicted_kl:.4f}")
     _check_plan_quantizes(plan, objective["budget_bits"], objective["budget_bytes"], lo, hi,
@@ -290,6 +316,22 @@ def _check_plan_quantizes(plan, budget_bits: float | None, budget_bytes: int | N
             f"the plan leaves every unit in BF16, so nothing would be quantized; give a "
             f"budget below {hi:.3f} bits per weight (the menu reaches {lo:.3f}–{hi:.3f}) or "
             "drop BF16 from the menu")
+
+
+def _rounding_dir(out: Path) -> Path:
+    """Where --gptq-scores keeps its GPTQ-rounded weights until the checkpoint is out."""
+    return out.parent / f".{out.name}.gptq-scores"
+
+
+def _round_menu(model, source: str, calib, schemes, out: Path, log) -> dict[str, Path]:
+    """Rank 0's rounding for --gptq-scores: scheme -> its file of weights after GPTQ."""
+    from fp4sense.diagnosis.units import find_units, model_fingerprint
+    from fp4sense.publishing.lineage import public_name
+    from fp4sense.quantization.rounded import round_menu
+
+    return round_menu(source, calib, find_units(model, calib[:1, :16]), schemes,
+                      _rounding_dir(out), model=public_name(source),
+                      fingerprint=model_fingerprint(model), log=log)
 
 
 def _state_dir(out: Path) -> Path:
@@ -333,7 +375,8 @@ def _oneshot_plan(source: str, calib: torch.Tensor, work: Path, *, plan: str, gp
                        state_dir=str(state_dir))
 
 
-def _select(model, report, calib, estimate_windows: int, k: int, objective: dict, log):
+def _select(model, report, calib, estimate_windows: int, k: int, objective: dict, log,
+            rounded=None):
     """The best measured of the ``k`` best plans by prediction, measured on 4
     calibration windows after the estimate's (its own when there are no others)."""
     from fp4sense.planning.select import measure_on, select_measured
@@ -343,8 +386,8 @@ def _select(model, report, calib, estimate_windows: int, k: int, objective: dict
         windows = calib[:4]
         log("note: no calibration windows beyond the estimate's; plans are measured on "
             "the estimate's own (raise --calib-windows)")
-    plan, trials = select_measured(report, measure_on(model, report.units, windows), k=k,
-                                   **objective)
+    plan, trials = select_measured(report, measure_on(model, report.units, windows,
+                                                      rounded=rounded), k=k, **objective)
     rank = next(i for i, t in enumerate(trials) if t.get("kept"))
     log(f"selection: {len(trials)} plans measured on {len(windows)} calibration windows; "
         f"kept the one ranked {rank + 1} by prediction (measured KL "

@@ -4,6 +4,10 @@ The core finds this function through the ``fp4sense.quantizers`` entry point (na
 ``llmcompressor``), so it never imports llm-compressor itself. The plan is solved once,
 by the core; this step only applies it (``SensitivityGuidedModifier(plan=...)``), and
 returns the recipe that reproduces the checkpoint from its own folder.
+
+``round_with_plan`` (entry point ``fp4sense.rounders``) runs the same oneshot with GPTQ
+and saves the quantized weights instead of a checkpoint: the weights the scores after
+GPTQ read (``fp4sense quantize --gptq-scores``, :mod:`fp4sense.quantization.rounded`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from pathlib import Path
 import torch
 import yaml
 
-__all__ = ["quantize_with_plan"]
+__all__ = ["quantize_with_plan", "round_with_plan"]
 
 
 def quantize_with_plan(source: str, calib: torch.Tensor, work: Path, *, plan: str,
@@ -31,10 +35,6 @@ def quantize_with_plan(source: str, calib: torch.Tensor, work: Path, *, plan: st
 
     :returns: recipe YAML naming the plan relative to the checkpoint folder.
     """
-    from datasets import Dataset
-    from llmcompressor import oneshot
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from fp4sense_llmcompressor.modifier import SensitivityGuidedModifier
 
     work = Path(work)
@@ -52,6 +52,40 @@ def quantize_with_plan(source: str, calib: torch.Tensor, work: Path, *, plan: st
         trainer = QuantizationAwareDistillationModifier(**distill, state_dir=state_dir)
         recipe.append(trainer)
         stage["QuantizationAwareDistillationModifier"] = dict(distill)
+    model = _oneshot(source, calib, recipe)
+    model.save_pretrained(work, save_compressed=True)
+    if trainer is not None:
+        (work / "distill.json").write_text(json.dumps(trainer.record, indent=1))
+    return yaml.safe_dump({"quant_stage": {"quant_modifiers": stage}}, sort_keys=False)
+
+
+def round_with_plan(source: str, calib: torch.Tensor, out_file: Path, *, plan: str) -> int:
+    """Round ``source`` with GPTQ under the plan saved at ``plan`` (the oneshot of
+    ``quantize_with_plan(..., gptq=True)``) and save each quantized linear's weight after
+    GPTQ, dequantized in the model's bfloat16, to the safetensors file ``out_file``
+    (tensor names: the linears' module names); return how many."""
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from safetensors.torch import save_file
+
+    from fp4sense.checkpoint.loading import bake_weights
+    from fp4sense_llmcompressor.modifier import SensitivityGuidedModifier
+
+    model = _oneshot(source, calib, [SensitivityGuidedModifier(plan=str(plan)),
+                                     GPTQModifier()])
+    names = [name for name, module in model.named_modules()
+             if getattr(getattr(module, "quantization_scheme", None), "weights", None)]
+    bake_weights(model)  # the weights on the grid GPTQ chose, as the checkpoint stores them
+    save_file({n: model.get_submodule(n).weight.detach().contiguous() for n in names},
+              str(out_file))
+    return len(names)
+
+
+def _oneshot(source: str, calib: torch.Tensor, recipe: list):
+    """``source`` after llm-compressor's oneshot with ``recipe`` on the windows ``calib``."""
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     # bf16 as llm-compressor loads models (the NVFP4 global scale comes from a bf16 amax)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
     data = Dataset.from_dict({"input_ids": calib.tolist(),
@@ -61,7 +95,4 @@ def quantize_with_plan(source: str, calib: torch.Tensor, work: Path, *, plan: st
     oneshot(model=model, recipe=recipe, dataset=data, num_calibration_samples=len(calib),
             max_seq_length=calib.shape[1], processor=AutoTokenizer.from_pretrained(source),
             shuffle_calibration_samples=False)
-    model.save_pretrained(work, save_compressed=True)
-    if trainer is not None:
-        (work / "distill.json").write_text(json.dumps(trainer.record, indent=1))
-    return yaml.safe_dump({"quant_stage": {"quant_modifiers": stage}}, sort_keys=False)
+    return model
