@@ -7,9 +7,11 @@ one menu at a time (searched-scale FP4, FP8_DYNAMIC, BF16):
 
 1. one uniform GPTQ run per quantizing scheme of the menu (llm-compressor's oneshot with
    `SensitivityGuidedModifier` + `GPTQModifier`, the recipe `fp4sense quantize --gptq`
-   runs, every unit that scheme, the 32 calibration windows in order);
+   runs, every unit that scheme, the 32 calibration windows in order), its quantized
+   weights saved to the cache;
 2. the plan's Fisher estimate (the first 8 calibration windows), with each linear's
-   quantized weight taken from that run instead of RTN: a report of scores after GPTQ;
+   quantized weight read from that run instead of RTN (``analyze(rounded=...)``, as
+   `fp4sense quantize --gptq-scores` does): a report of scores after GPTQ;
 3. at each budget, the plan from the RTN report and the plan from the after-GPTQ report,
    each run with GPTQ the same way and evaluated in memory (16 evaluation windows; KL,
    PPL, top-1 per protocol; bits from the plan's accounting, which equals the written
@@ -95,24 +97,30 @@ def main(argv: list[str] | None = None) -> int:
             done.keep({"key": "estimate-rtn", "wall_s": round(time.perf_counter() - t, 1)})
     rtn = SensitivityReport.load(rtn_path, fingerprint)
 
-    # 1. uniform GPTQ, one run per scheme; its quantized weights kept
+    # 1. uniform GPTQ, one run per scheme; its quantized weights saved
     after_path = args.cache / "sensitivity-after-gptq.json"
     if not after_path.is_file():
-        taken: dict[tuple[str, str], torch.Tensor] = {}
+        from safetensors.torch import save_file
+
+        from fp4sense.quantization.rounded import RoundedWeights
+
+        files = {s: args.cache / f"gptq-{s}.safetensors" for s in quantizing}
         for s in quantizing:
+            if f"uniform|{s}" in done and files[s].is_file():
+                continue
             t = time.perf_counter()
             plan = solve(rtn, budget_bits=16.0, menu=[s], mode="estimated")
-            gptq, _ = gptq_model(plan, calib, tok, args.cache / f"plan-uniform-{s}.json")
-            for u in rtn.units.units:
-                for m in u.modules:
-                    taken[(m, s)] = gptq.get_submodule(m).weight.detach().clone()
+            gptq, _ = gptq_model(plan, calib, args.cache / f"plan-uniform-{s}.json")
+            save_file({m: gptq.get_submodule(m).weight.detach().contiguous()
+                       for u in rtn.units.units for m in u.modules}, files[s])
             del gptq
             done.keep({"key": f"uniform|{s}", "wall_s": round(time.perf_counter() - t, 1)})
         # 2. the estimate with GPTQ's weights
         t = time.perf_counter()
-        estimate_after_gptq(model, calib[:8], quantizing, taken).save(after_path)
+        analyze(model, calib[:8], schemes=quantizing, views=["grid"], modes=["estimated"],
+                cache_dir=None, text={"source": "calibration"}, log=print,
+                rounded=RoundedWeights(files)).save(after_path)
         done.keep({"key": "estimate-after-gptq", "wall_s": round(time.perf_counter() - t, 1)})
-        del taken
     after = SensitivityReport.load(after_path, fingerprint)
 
     repair = {}
@@ -142,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 t = time.perf_counter()
                 distill = dict(steps=qad, lr=args.qad_lr, windows=28, holdout=4,
                                mode="block") if qad else None
-                gptq, record = gptq_model(plan, calib, tok, args.cache / f"plan-{key}.json"
+                gptq, record = gptq_model(plan, calib, args.cache / f"plan-{key}.json"
                                           .replace("|", "_").replace(" ", ""), distill)
                 c = compare_models(model, gptq, evalw, desc="evaluating").to_dict()
                 del gptq
@@ -168,18 +176,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def gptq_model(plan, calib: torch.Tensor, tok, plan_path: Path, distill: dict | None = None):
+def gptq_model(plan, calib: torch.Tensor, plan_path: Path, distill: dict | None = None):
     """The bundled model in float32 after llm-compressor's oneshot with the plan and GPTQ
     (the recipe of `fp4sense quantize --gptq`, and with ``distill`` the QAD modifier's
     fields, QAD after GPTQ as `--gptq --distill`), its weights fake-quantized once; and
     QAD's record (None without)."""
-    from datasets import Dataset
-    from llmcompressor import oneshot
     from llmcompressor.modifiers.gptq import GPTQModifier
-    from transformers import AutoModelForCausalLM
 
     from fp4sense.checkpoint.loading import bake_weights
     from fp4sense.inputs.assets import ensure_model
+    from fp4sense_llmcompressor.driver import calibrated_model
     from fp4sense_llmcompressor.modifier import SensitivityGuidedModifier
 
     plan.save(plan_path)
@@ -188,39 +194,10 @@ def gptq_model(plan, calib: torch.Tensor, tok, plan_path: Path, distill: dict | 
         from fp4sense_llmcompressor.distill import QuantizationAwareDistillationModifier
 
         recipe.append(QuantizationAwareDistillationModifier(**distill))
-    model = AutoModelForCausalLM.from_pretrained(ensure_model(log=lambda m: None),
-                                                 dtype=torch.float32)
-    data = Dataset.from_dict({"input_ids": calib.tolist(),
-                              "attention_mask": torch.ones_like(calib).tolist()})
-    oneshot(model=model, recipe=recipe, dataset=data, num_calibration_samples=len(calib),
-            max_seq_length=calib.shape[1], processor=tok, shuffle_calibration_samples=False)
+    model = calibrated_model(str(ensure_model(log=lambda m: None)), calib, recipe,
+                             dtype=torch.float32)
     bake_weights(model)
     return model.eval(), recipe[-1].record if distill is not None else None
-
-
-def estimate_after_gptq(model, windows, schemes, taken: dict):
-    """The grid estimate of ``schemes``, each linear's quantized weight taken from
-    ``taken`` ((linear, scheme) -> weight after GPTQ) instead of round-to-nearest."""
-    import fp4sense.diagnosis.views as views
-    from fp4sense.diagnosis import analyze
-    from fp4sense.diagnosis.engine import Analysis
-
-    class AfterGPTQ(Analysis):
-        """Quantized weights of the listed schemes are GPTQ's, not RTN's."""
-
-        def _kept(self, unit, scheme, only=None):
-            if scheme not in schemes:
-                return super()._kept(unit, scheme, only)
-            return [taken[(m, scheme)] if only is None or i == only else None
-                    for i, m in enumerate(unit.modules)]
-
-    views.Analysis = AfterGPTQ
-    try:
-        return analyze(model, windows, schemes=schemes, views=["grid"], modes=["estimated"],
-                       cache_dir=None, text={"source": "calibration, scored after GPTQ"},
-                       log=print)
-    finally:
-        views.Analysis = Analysis
 
 
 def write_markdown(result: dict, path: Path) -> None:

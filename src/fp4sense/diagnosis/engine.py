@@ -100,15 +100,16 @@ class Analysis:
             self.original[unit.modules[index]].dtype)
 
     def _kept(self, unit: Unit, scheme: str, only: int | None = None) -> list:
-        """The unit's quantized weights in bf16 (with ``only``, that one; None others):
-        round-to-nearest, or the given ones (:attr:`rounded`) for the schemes they cover."""
+        """The unit's quantized weights (with ``only``, that one; None others): rounded to
+        nearest in bf16, or the given ones (:attr:`rounded`) for the schemes they cover."""
         key = (unit, scheme) if only is None else (unit, scheme, only)
         kept = self.qweights.get(key)
         if kept is not None:
             self.qweights.move_to_end(key)
             return kept
         if self.rounded is not None and scheme in self.rounded.schemes:
-            ws = [self.rounded.weight(m, scheme).to(self.device, torch.bfloat16)
+            # as stored (a checkpoint's bf16 weights after GPTQ; ``quantized`` casts)
+            ws = [self.rounded.weight(m, scheme).to(self.device)
                   if only is None or i == only else None for i, m in enumerate(unit.modules)]
         else:
             ws = self._rounded_to_nearest(unit, scheme, only)

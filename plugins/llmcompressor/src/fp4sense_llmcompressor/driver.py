@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import yaml
 
-__all__ = ["quantize_with_plan", "round_with_plan"]
+__all__ = ["calibrated_model", "quantize_with_plan", "round_with_plan"]
 
 
 def quantize_with_plan(source: str, calib: torch.Tensor, work: Path, *, plan: str,
@@ -52,7 +52,7 @@ def quantize_with_plan(source: str, calib: torch.Tensor, work: Path, *, plan: st
         trainer = QuantizationAwareDistillationModifier(**distill, state_dir=state_dir)
         recipe.append(trainer)
         stage["QuantizationAwareDistillationModifier"] = dict(distill)
-    model = _oneshot(source, calib, recipe)
+    model = calibrated_model(source, calib, recipe)
     model.save_pretrained(work, save_compressed=True)
     if trainer is not None:
         (work / "distill.json").write_text(json.dumps(trainer.record, indent=1))
@@ -70,7 +70,7 @@ def round_with_plan(source: str, calib: torch.Tensor, out_file: Path, *, plan: s
     from fp4sense.checkpoint.loading import bake_weights
     from fp4sense_llmcompressor.modifier import SensitivityGuidedModifier
 
-    model = _oneshot(source, calib, [SensitivityGuidedModifier(plan=str(plan)),
+    model = calibrated_model(source, calib, [SensitivityGuidedModifier(plan=str(plan)),
                                      GPTQModifier()])
     names = [name for name, module in model.named_modules()
              if getattr(getattr(module, "quantization_scheme", None), "weights", None)]
@@ -80,14 +80,17 @@ def round_with_plan(source: str, calib: torch.Tensor, out_file: Path, *, plan: s
     return len(names)
 
 
-def _oneshot(source: str, calib: torch.Tensor, recipe: list):
-    """``source`` after llm-compressor's oneshot with ``recipe`` on the windows ``calib``."""
+def calibrated_model(source: str, calib: torch.Tensor, recipe: list,
+                     dtype: torch.dtype = torch.bfloat16):
+    """``source`` after llm-compressor's oneshot with ``recipe`` on the windows ``calib``
+    (not saved). ``dtype``: bf16 as llm-compressor loads models, so the NVFP4 global scale
+    comes from a bf16 amax, as in every checkpoint fp4sense writes; ``bench/`` runs float32
+    where bf16 matrix products are slow (CPUs without native bf16)."""
     from datasets import Dataset
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # bf16 as llm-compressor loads models (the NVFP4 global scale comes from a bf16 amax)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     data = Dataset.from_dict({"input_ids": calib.tolist(),
                               "attention_mask": torch.ones_like(calib).tolist()})
     # in the windows' order (llm-compressor shuffles them unseeded by default): GPTQ's
