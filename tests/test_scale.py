@@ -511,11 +511,11 @@ def test_a_rank_that_dies_stops_the_others_in_one_line(tmp_path):
     assert len(lines) == 1 and "another rank stopped before the results met" in lines[0]
 
 
-def _quantize(tiny_llama, text_file, out: Path, ranks: int, env: dict) -> str:
+def _quantize(tiny_llama, text_file, out: Path, ranks: int, env: dict, *extra: str) -> str:
     from conftest import SMALL
 
     args = ["quantize", str(tiny_llama), "--budget", "5.5", "--out", str(out), "--text",
-            str(text_file), *SMALL, "--no-eval", "--no-scale-search"]
+            str(text_file), *SMALL, "--no-eval", "--no-scale-search", *extra]
     cmd = [FP4SENSE, *args] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
         f"--master-port={_free_port()}", "-m", "fp4sense", *args]
@@ -551,6 +551,25 @@ def test_quantize_under_two_ranks_writes_the_one_rank_checkpoint(tiny_llama, tex
     for key in one:
         assert torch.equal(bits(one[key]), bits(two[key])), key
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]  # nothing else
+
+
+@pytest.mark.slow
+def test_gptq_scores_under_two_ranks_and_low_memory_score_what_one_rank_scores(
+        tiny_llama, text_file, tmp_path):
+    """``quantize --gptq --gptq-scores`` under torchrun with --low-memory: rank 0 rounds
+    with GPTQ, both ranks' estimate reads its files (streamed block by block): the scores
+    and the plan of one rank with the whole model in memory, entry for entry."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    extra = ("--gptq", "--gptq-scores", "--menu", "NVFP4A16,FP8_DYNAMIC,BF16")
+    _quantize(tiny_llama, text_file, tmp_path / "one", 1, env, *extra)
+    _quantize(tiny_llama, text_file, tmp_path / "two", 2, env, *extra, "--low-memory")
+    one, two = (json.loads((tmp_path / n / "sensitivity.json").read_text())
+                for n in ("one", "two"))
+    assert one["text"]["quantized_weights"].startswith("GPTQ")
+    assert one["entries"] == two["entries"] and one["entries"]
+    plans = [json.loads((tmp_path / n / "plan.json").read_text()) for n in ("one", "two")]
+    assert plans[0]["choices"] == plans[1]["choices"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]  # rounding gone
 
 
 def test_rank_0_failing_on_its_own_stops_the_others_in_one_line(tmp_path):

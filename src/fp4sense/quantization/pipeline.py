@@ -98,7 +98,8 @@ def quantize_model(
     shared by the ranks without waiting for the rank that computes them (2-rank runs on
     a loaded CPU wrote corrupted tensors here, e.g. saturated FP8 weights), and no
     machine with several GPUs was available to prove its GPU path. ``distill`` trains on
-    rank 0.
+    rank 0. ``gptq_scores``: rank 0 rounds before the ranks meet (the others wait at the
+    meeting, up to ``FP4SENSE_RANK_TIMEOUT``), then every rank's estimate reads its files.
     """
     import functools
     import shutil
@@ -141,29 +142,31 @@ def quantize_model(
                                "drop --low-memory")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    distributed.init_from_env(placement.device, distributed.QUANTIZE_TIMEOUT_S)
-    if not distributed.is_main():  # rank 0 speaks for the run and writes the folder
-        log, progress = (lambda message: None), False
-
     hf_model, tokenizer, notes = load_model(model, placement.dtype, placement.device,
                                             low_memory=low_memory)
     source = str(model) if model is not None else hf_model.config._name_or_path
     stored_expert_names(hf_model, source)  # MoE: experts under unpairable names stop here
     hub_id = hub_id_of(source, base_model_id)
     calib = analysis_windows(tokenizer, text, calib_windows, window_tokens)
+    quantized = [s for s in menu if get_scheme(s).quantizes]
+    rounded = None
+    if gptq_scores and distributed.launch_rank() == 0:
+        # before the ranks meet: llm-compressor's oneshot then runs as in one process (its
+        # distributed path is not used, see above); the others wait at the meeting
+        t = time.perf_counter()
+        rounded = _round_menu(hf_model, source, calib, quantized, out, log)
+        timings["gptq_scores_s"] = time.perf_counter() - t
+    distributed.init_from_env(placement.device, distributed.QUANTIZE_TIMEOUT_S)
+    if not distributed.is_main():  # rank 0 speaks for the run and writes the folder
+        log, progress = (lambda message: None), False
+    if gptq_scores:  # every rank's estimate reads rank 0's files
+        from fp4sense.quantization.rounded import RoundedWeights
+
+        rounded = RoundedWeights(distributed.share(rounded))
     work = distributed.on_main(lambda: _work_folder(out, log),  # None on the other ranks:
                                "creating the work folder")  # only rank 0 writes
     try:
-        report, rounded = None, None
-        quantized = [s for s in menu if get_scheme(s).quantizes]
-        if gptq_scores:  # rank 0 rounds; the ranks read its files
-            from fp4sense.quantization.rounded import RoundedWeights
-
-            t = time.perf_counter()
-            rounded = RoundedWeights(distributed.share(distributed.on_main(functools.partial(
-                _round_menu, hf_model, source, calib, quantized, out, log),
-                "rounding with GPTQ for --gptq-scores")))
-            timings["gptq_scores_s"] = time.perf_counter() - t
+        report = None
         if sensitivity is None:  # the ranks share the estimate's windows
             t = time.perf_counter()
             report = analyze(hf_model, calib[:estimate_windows], schemes=quantized,

@@ -18,8 +18,8 @@ from typing import TypeVar
 import torch
 
 __all__ = ["COLLECTIVE_TIMEOUT_S", "QUANTIZE_TIMEOUT_S", "RankError", "disband", "gather",
-           "init_from_env", "is_main", "leave", "on_main", "rank", "shard", "share", "unshard",
-           "world_size"]
+           "init_from_env", "is_main", "launch_rank", "leave", "on_main", "rank", "shard", "share",
+           "unshard", "world_size"]
 
 T = TypeVar("T")
 #: How long a rank waits for the others at a collective (a dead peer ends the run then).
@@ -92,6 +92,12 @@ def world_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if _active() else 1
+
+
+def launch_rank() -> int:
+    """This process's rank as torchrun launched it, before (or without) the group: work
+    one rank does before the ranks meet (0 outside torchrun)."""
+    return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
 
 
 def is_main() -> bool:
