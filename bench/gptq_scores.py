@@ -17,7 +17,12 @@ one menu at a time (searched-scale FP4, FP8_DYNAMIC, BF16):
    PPL, top-1 per protocol; bits from the plan's accounting, which equals the written
    bytes).
 
-Every oneshot here runs on the float32 model (`fp4sense quantize` loads bfloat16, as
+With ``--checkpoint``, the after-GPTQ plan is also written as a real checkpoint by
+`fp4sense quantize --sensitivity <the after-GPTQ report> --gptq` (with ``--qad-steps``,
+and `--distill STEPS --distill-mode block`): llm-compressor's bf16 oneshot, evaluated
+from disk per protocol, and with ``--verify`` through `fp4sense verify-vllm`.
+
+Every in-memory oneshot here runs on the float32 model (`fp4sense quantize` loads bfloat16, as
 llm-compressor does): bfloat16 matrix products are several times slower than float32
 on CPUs without native bfloat16, and this is a comparison of two plans under the same
 GPTQ, not a checkpoint. The NVFP4 global scale then comes from a float32 amax, so the
@@ -66,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
                              "(this many steps per block, learning rate --qad-lr, 28 "
                              "windows trained and 4 held out, as bench/stack.py's rows)")
     parser.add_argument("--qad-lr", type=float, default=5e-4)
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="also write the after-GPTQ plan (+ GPTQ, + block QAD with "
+                             "--qad-steps) as a bf16 checkpoint with `fp4sense quantize`")
+    parser.add_argument("--verify", action="store_true",
+                        help="run `fp4sense verify-vllm` on the written checkpoints")
     args = parser.parse_args(argv)
     out = args.out or RESULTS / f"gptq_scores_{args.menu.replace('-', '_')}.json"
 
@@ -134,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     # 3. plans from both reports, with GPTQ, evaluated in memory
     from fp4sense.evaluation.metrics import compare_models
 
-    rows = []
+    rows, written = [], []
     for budget in map(float, args.budgets.split(",")):
         plans = {name: solve(rep, budget_bits=budget, menu=menu, mode="estimated")
                  for name, rep in (("RTN scores", rtn), ("after-GPTQ scores", after))}
@@ -165,11 +175,29 @@ def main(argv: list[str] | None = None) -> int:
                          "method": "GPTQ + block QAD ({steps} steps per block, lr {lr:g})"
                                    .format(**done[key]["qad"]) if qad else "GPTQ",
                          "units_moved": moved, **done[key]})
+        if args.checkpoint:
+            qad = args.qad_steps
+            key = f"{args.menu}|after-GPTQ scores|{budget}|checkpoint" + (
+                f"|block QAD {qad} lr {args.qad_lr:g}" if qad else "")
+            folder = args.cache / "checkpoints" / key.replace("|", "_").replace(" ", "")
+            if key not in done:
+                done.keep(checkpoint_row(key, folder, after_path, menu, budget, qad,
+                                         args.qad_lr))
+            method = "GPTQ" + (" + block QAD ({steps} steps per block, lr {lr:g})".format(
+                **done[key]["qad"]) if qad else "") + ", written bf16 checkpoint"
+            rows.append({"menu": args.menu, "scores": "after-GPTQ scores", "budget": budget,
+                         "method": method, "units_moved": moved, **done[key]})
+            written.append(folder)
+    verified = {}
+    if args.verify and written:
+        from stack import verify
+
+        verified = verify(written, done)
     result = {"command": "python bench/gptq_scores.py " + shlex.join(argv or sys.argv[1:]),
               "menu": menu, "rtn_report": rtn_path.name, "repair": repair,
               "timings": {k: v["wall_s"] for k, v in done.items() if "|" not in k
                           or k.startswith("uniform|")},
-              "rows": rows, "caveat": BUNDLED_MODEL_NOTE}
+              "rows": rows, "verify_vllm": verified, "caveat": BUNDLED_MODEL_NOTE}
     out.write_text(json.dumps(result, indent=1))
     write_markdown(result, out.with_suffix(".md"))
     print(out.with_suffix(".md").read_text())
@@ -200,6 +228,35 @@ def gptq_model(plan, calib: torch.Tensor, plan_path: Path, distill: dict | None 
     return model.eval(), recipe[-1].record if distill is not None else None
 
 
+def checkpoint_row(key: str, folder: Path, report: Path, menu: list[str], budget: float,
+                   qad_steps: int, qad_lr: float) -> dict:
+    """`fp4sense quantize` of the bundled model from ``report`` (the after-GPTQ scores)
+    with GPTQ (and block QAD), written and evaluated from disk (16 windows)."""
+    from fp4sense.api import quantize_model
+    from fp4sense.quantization.distill import DistillSettings
+
+    distill = DistillSettings(steps=qad_steps, lr=qad_lr, windows=28, holdout=4,
+                              mode="block") if qad_steps else None
+    t = time.perf_counter()
+    result = quantize_model(None, out_dir=folder, budget_bits=budget, menu=menu,
+                            sensitivity=report, scale_search=False, gptq=True,
+                            distill=distill, calib_windows=32, eval_windows=16,
+                            overwrite=True, progress=False, log=print)
+    e, timings = result["eval"], result["timings"]
+    item = {"key": key, "bits": e["effective_bits"], "kl": e["kl"], "kl_se": e["kl_se"],
+            "ppl": e["ppl"], "top1": e["top1"], "eval": "checkpoint",
+            "schemes": result["plan"]["schemes"],
+            "predicted_kl": result["plan"]["predicted_kl"], "timings": timings,
+            "wall_s": round(time.perf_counter() - t - timings.get("eval_s", 0.0), 1)}
+    if distill is not None:
+        record = json.loads((folder / "distill.json").read_text())
+        item["qad"] = {"steps": qad_steps, "steps_total": record["steps"],
+                       "lr": record["settings"]["lr"],
+                       **{k: record.get(k) for k in ("loss_before", "loss_after", "holdout",
+                                                     "time_s")}}
+    return item
+
+
 def write_markdown(result: dict, path: Path) -> None:
     lines = ["# Scores after GPTQ", "", f"`{result['command']}`", "", result["caveat"],
              "GPTQ ran on the float32 model (see the script's docstring).", "",
@@ -210,7 +267,10 @@ def write_markdown(result: dict, path: Path) -> None:
     for s, r in result["repair"].items():
         lines.append(f"| {s} | {r['median']:.3f} | {r['min']:.3f} | {r['max']:.3f} | "
                      f"{r['sum_rtn']:.4f} | {r['sum_after_gptq']:.4f} |")
-    lines += ["", "Plans + GPTQ, evaluated in memory (16 evaluation windows):", "",
+    lines += ["", "Plans + GPTQ, evaluated in memory on the float32 model (16 evaluation "
+              "windows); rows marked written bf16 checkpoint are `fp4sense quantize`'s "
+              "checkpoints, evaluated from disk (16 windows, bits measured from the files):",
+              "",
               "| budget | plan from | units moved | then | bits | predicted | KL (± se) | PPL | "
               "top-1 | schemes | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
@@ -220,6 +280,9 @@ def write_markdown(result: dict, path: Path) -> None:
                      f"| {r['predicted_kl']:.4f} | {r['kl']:.4f} ± {r['kl_se']:.4f} | "
                      f"{r['ppl']:.2f} | {r['top1']:.3f} | {schemes} | {r['wall_s']:.0f} |")
     lines += ["", "Wall seconds: " + ", ".join(f"{k} {v}" for k, v in result["timings"].items())]
+    if result.get("verify_vllm"):
+        lines += ["", "verify-vllm: " + ", ".join(f"{k} {v}" for k, v in
+                                                  result["verify_vllm"].items())]
     path.write_text("\n".join(lines) + "\n")
 
 
