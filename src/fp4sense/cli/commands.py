@@ -186,13 +186,12 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         args.model, out_dir=args.out, budget_bits=args.budget, budget_bytes=args.budget_bytes,
         kl_target=args.kl_target, menu=_csv(args.menu), sensitivity=args.sensitivity,
         sensitivity_mode=args.sensitivity_mode, pins=pins_of(args.pin), gptq=args.gptq,
-        gptq_scores=args.gptq_scores,
-        scale_search=not args.no_scale_search, distill=_distill_settings(args),
-        text=text_source(args), calib_windows=args.calib_windows, estimate_windows=args.windows,
+        gptq_scores=args.gptq_scores, scale_search=not args.no_scale_search,
+        distill=_distill_settings(args), text=text_source(args),
+        calib_windows=args.calib_windows, estimate_windows=args.windows,
         window_tokens=args.tokens, evaluate=not args.no_eval, eval_windows=args.eval_windows,
         overwrite=args.overwrite, base_model_id=args.base_model_id, select_plans=args.select_plans,
-        device=args.device, dtype=args.dtype, low_memory=args.low_memory,
-        progress=not args.json,
+        device=args.device, dtype=args.dtype, low_memory=args.low_memory, progress=not args.json,
         log=(lambda msg: print(msg, file=sys.stderr)) if args.json else print,
     )
     if "rank" in result:  # another rank of a torchrun launch: rank 0 speaks for the run

@@ -43,9 +43,7 @@ class Analysis:
                  progress: bool, offload_dir: Path | None = None,
                  device: torch.device | None = None, rounded=None):
         self.model = model
-        #: quantized weights given instead of round-to-nearest for the schemes they cover
-        #: (:class:`fp4sense.quantization.rounded.RoundedWeights`, e.g. GPTQ's)
-        self.rounded = rounded
+        self.rounded = rounded  # given quantized weights (quantization.rounded.RoundedWeights)
         # everything computes where the model is (offloaded blocks are loaded there)
         self.device = torch.device(device) if device is not None else next(
             model.parameters()).device
@@ -100,19 +98,23 @@ class Analysis:
             self.original[unit.modules[index]].dtype)
 
     def _kept(self, unit: Unit, scheme: str, only: int | None = None) -> list:
-        """The unit's quantized weights (with ``only``, that one; None others): rounded to
-        nearest in bf16, or the given ones (:attr:`rounded`) for the schemes they cover."""
+        """The unit's quantized weights, in bf16 or given (``only``: that one; None others)."""
         key = (unit, scheme) if only is None else (unit, scheme, only)
         kept = self.qweights.get(key)
         if kept is not None:
             self.qweights.move_to_end(key)
             return kept
-        if self.rounded is not None and scheme in self.rounded.schemes:
-            # as stored (a checkpoint's bf16 weights after GPTQ; ``quantized`` casts)
-            ws = [self.rounded.weight(m, scheme).to(self.device)
-                  if only is None or i == only else None for i, m in enumerate(unit.modules)]
-        else:
-            ws = self._rounded_to_nearest(unit, scheme, only)
+        ws = self.rounded.unit(unit, scheme, only, self.device) if self.rounded else None
+        if ws is None:  # not given: rounded to nearest
+            group = next(p for p in unit.scale_groups if only is None or only in p)
+            imps = [self.importance.get(m) for m in unit.modules]
+            # streamed: the temporaries leave memory when freed (a block's worth at a time)
+            with mapped_allocations() if self.store is not None else nullcontext():
+                # quantized in bf16 (the checkpoint's dtype), so bf16 holds them exactly
+                ws = quantize_unit(scheme, unit, [self.original[m] if only is None or i in group
+                                                  else None for i, m in enumerate(unit.modules)],
+                                   importance=imps if any(i is not None for i in imps) else None,
+                                   out_dtype=torch.bfloat16, only=only)
         size = _nbytes(ws)
         if size <= self.qweight_limit:  # the least recently used make room
             while self.qweights and self.qweight_bytes + size > self.qweight_limit:
@@ -121,17 +123,6 @@ class Analysis:
             self.qweights[key] = ws
             self.qweight_bytes += size
         return ws
-
-    def _rounded_to_nearest(self, unit: Unit, scheme: str, only: int | None) -> list:
-        group = next(p for p in unit.scale_groups if only is None or only in p)
-        imps = [self.importance.get(m) for m in unit.modules]
-        # streamed: the temporaries leave memory when freed (a block's worth at a time)
-        with mapped_allocations() if self.store is not None else nullcontext():
-            # quantized in bf16 (the checkpoint's dtype), so bf16 holds them exactly
-            return quantize_unit(scheme, unit, [self.original[m] if only is None or i in group
-                                                else None for i, m in enumerate(unit.modules)],
-                                 importance=imps if any(i is not None for i in imps) else None,
-                                 out_dtype=torch.bfloat16, only=only)
 
     # --- base pass: block outputs, base log-probs, activation statistics ---------------
     @torch.no_grad()

@@ -18,7 +18,7 @@ from fp4sense.diagnosis.units import UnitMap
 from fp4sense.numerics.schemes import get_scheme
 from fp4sense.planning.milp import Plan, PlanError, solve
 
-__all__ = ["best_plans", "measure_on", "select_measured"]
+__all__ = ["best_plans", "measure_on", "select_measured", "select_on_calibration"]
 
 
 def assignment(plan: Plan) -> dict[str, str]:
@@ -78,3 +78,23 @@ def measure_on(model: torch.nn.Module, units: UnitMap, windows: torch.Tensor, ro
                               if get_scheme(s).quantizes for m in by_name[u].modules})["kl"]
 
     return measure
+
+
+def select_on_calibration(model, report: SensitivityReport, calib: torch.Tensor,
+                          estimate_windows: int, k: int, objective: dict,
+                          log: Callable[[str], None], rounded=None) -> tuple[Plan, list[dict]]:
+    """``quantize --select-plans K``: the best measured of the ``k`` best plans by
+    prediction, measured on 4 calibration windows after the estimate's (its own when
+    there are no others); ``rounded``: with those quantized weights (scores after GPTQ)."""
+    windows = calib[estimate_windows:estimate_windows + 4]
+    if len(windows) == 0:
+        windows = calib[:4]
+        log("note: no calibration windows beyond the estimate's; plans are measured on "
+            "the estimate's own (raise --calib-windows)")
+    plan, trials = select_measured(report, measure_on(model, report.units, windows,
+                                                      rounded=rounded), k=k, **objective)
+    rank = next(i for i, t in enumerate(trials) if t.get("kept"))
+    log(f"selection: {len(trials)} plans measured on {len(windows)} calibration windows; "
+        f"kept the one ranked {rank + 1} by prediction (measured KL "
+        f"{trials[rank]['measured']:.4f}, the predicted best {trials[0]['measured']:.4f})")
+    return plan, trials

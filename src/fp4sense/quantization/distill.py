@@ -62,7 +62,7 @@ from fp4sense.quantization.qad_loop import DistillError, train
 from fp4sense.quantization.straight_through import FrozenRefresher, Refresher, install
 
 __all__ = ["MODES", "DistillBase", "DistillError", "DistillSettings", "Frozen", "base_pass",
-           "distill", "trained_linears"]
+           "distill", "record_training", "trained_linears"]
 
 MODES = ("end-to-end", "block")
 
@@ -305,3 +305,26 @@ def _base_pass(model, data, modules, names, blocks=None):
             h.remove()
     return DistillBase(teacher, absmax, {m: sq[m] / rows[m] for m in names if rows[m]},
                        kept)
+
+
+def record_training(plan, work: Path, text: str) -> None:
+    """The QAD record the oneshot wrote in ``work``: the text named (``text``), curves
+    (distill.png), summary in ``plan.training`` (plan.json rewritten with it)."""
+    import json
+
+    from fp4sense.reports.plots import plot_training
+
+    record = json.loads((work / "distill.json").read_text())
+    record["text"] = text
+    (work / "distill.json").write_text(json.dumps(record, indent=1))
+    plot_training(record, work / "distill.png")
+    st = record["settings"]
+    plan.training = {"method": "qad", "mode": st.get("mode", "end-to-end"),
+                     "steps": record["steps"], "text": record["text"],
+                     "windows": record.get("windows_trained", st["windows"]), "lr": st["lr"],
+                     "seed": st["seed"], "start": record.get("start", "before calibration"),
+                     "loss_before": record["loss_before"], "loss_after": record["loss_after"],
+                     "rollbacks": len(record["rollbacks"]), "time_s": record["time_s"]}
+    if record.get("holdout"):
+        plan.training["holdout"] = record["holdout"]
+    plan.save(work / "plan.json")

@@ -154,7 +154,9 @@ def quantize_model(
         # before the ranks meet: llm-compressor's oneshot then runs as in one process (its
         # distributed path is not used, see above); the others wait at the meeting
         t = time.perf_counter()
-        rounded = _round_menu(hf_model, source, calib, quantized, out, log)
+        from fp4sense.quantization.rounded import round_beside
+
+        rounded = round_beside(hf_model, source, calib, quantized, out, log)
         timings["gptq_scores_s"] = time.perf_counter() - t
     distributed.init_from_env(placement.device, distributed.QUANTIZE_TIMEOUT_S)
     if not distributed.is_main():  # rank 0 speaks for the run and writes the folder
@@ -191,7 +193,9 @@ def quantize_model(
                                distill=distill, state_dir=_state_dir(out))
         timings["oneshot_s"] = time.perf_counter() - t
         if distill is not None:
-            _record_training(plan, work, text)
+            from fp4sense.quantization.distill import record_training
+
+            record_training(plan, work, text_name(text))
         tokenizer.save_pretrained(work)
         (work / "recipe.yaml").write_text(recipe)
 
@@ -220,7 +224,9 @@ def quantize_model(
         if distill is not None:
             shutil.rmtree(_state_dir(out), ignore_errors=True)  # finished: nothing to resume
         if rounded is not None:
-            shutil.rmtree(_rounding_dir(out), ignore_errors=True)
+            from fp4sense.quantization.rounded import rounding_dir
+
+            shutil.rmtree(rounding_dir(out), ignore_errors=True)
         (work / "fp4sense-quantize.json").write_text(json.dumps(result, indent=1))
         # publish: the finished folder replaces out_dir in one rename
         if out.exists():
@@ -288,8 +294,10 @@ def _plan(model, report, sensitivity, menu, scale_search: bool, calib, estimate_
     objective = {**objective, "menu": menu}
     selection = None
     if select_plans > 1:  # the predicted optimum is the first of the plans measured
-        plan, selection = _select(model, report, calib, estimate_windows, select_plans,
-                                  objective, log, rounded)
+        from fp4sense.planning.select import select_on_calibration
+
+        plan, selection = select_on_calibration(model, report, calib, estimate_windows,
+                                                select_plans, objective, log, rounded)
     else:
         plan = solve(report, **objective)
     if rounded is not None:
@@ -321,46 +329,9 @@ def _check_plan_quantizes(plan, budget_bits: float | None, budget_bytes: int | N
             "drop BF16 from the menu")
 
 
-def _rounding_dir(out: Path) -> Path:
-    """Where --gptq-scores keeps its GPTQ-rounded weights until the checkpoint is out."""
-    return out.parent / f".{out.name}.gptq-scores"
-
-
-def _round_menu(model, source: str, calib, schemes, out: Path, log) -> dict[str, Path]:
-    """Rank 0's rounding for --gptq-scores: scheme -> its file of weights after GPTQ."""
-    from fp4sense.diagnosis.units import find_units, model_fingerprint
-    from fp4sense.publishing.lineage import public_name
-    from fp4sense.quantization.rounded import round_menu
-
-    return round_menu(source, calib, find_units(model, calib[:1, :16]), schemes,
-                      _rounding_dir(out), model=public_name(source),
-                      fingerprint=model_fingerprint(model), log=log)
-
-
 def _state_dir(out: Path) -> Path:
     """Where an interrupted distillation's state waits (beside the output, not in it)."""
     return out.parent / f".{out.name}.distill-state"
-
-
-def _record_training(plan, work: Path, text) -> None:
-    """The QAD record the oneshot wrote: named text, curves (distill.png), summary in
-    ``plan.training`` (plan.json rewritten with it)."""
-    from fp4sense.reports.plots import plot_training
-
-    record = json.loads((work / "distill.json").read_text())
-    record["text"] = text_name(text)
-    (work / "distill.json").write_text(json.dumps(record, indent=1))
-    plot_training(record, work / "distill.png")
-    st = record["settings"]
-    plan.training = {"method": "qad", "mode": st.get("mode", "end-to-end"),
-                     "steps": record["steps"], "text": record["text"],
-                     "windows": record.get("windows_trained", st["windows"]), "lr": st["lr"],
-                     "seed": st["seed"], "start": record.get("start", "before calibration"),
-                     "loss_before": record["loss_before"], "loss_after": record["loss_after"],
-                     "rollbacks": len(record["rollbacks"]), "time_s": record["time_s"]}
-    if record.get("holdout"):
-        plan.training["holdout"] = record["holdout"]
-    plan.save(work / "plan.json")
 
 
 def _oneshot_plan(source: str, calib: torch.Tensor, work: Path, *, plan: str, gptq: bool,
@@ -376,23 +347,3 @@ def _oneshot_plan(source: str, calib: torch.Tensor, work: Path, *, plan: str, gp
         return quantizer()(source, calib, work, plan=plan, gptq=gptq)
     return quantizer()(source, calib, work, plan=plan, gptq=gptq, distill=asdict(distill),
                        state_dir=str(state_dir))
-
-
-def _select(model, report, calib, estimate_windows: int, k: int, objective: dict, log,
-            rounded=None):
-    """The best measured of the ``k`` best plans by prediction, measured on 4
-    calibration windows after the estimate's (its own when there are no others)."""
-    from fp4sense.planning.select import measure_on, select_measured
-
-    windows = calib[estimate_windows:estimate_windows + 4]
-    if len(windows) == 0:
-        windows = calib[:4]
-        log("note: no calibration windows beyond the estimate's; plans are measured on "
-            "the estimate's own (raise --calib-windows)")
-    plan, trials = select_measured(report, measure_on(model, report.units, windows,
-                                                      rounded=rounded), k=k, **objective)
-    rank = next(i for i, t in enumerate(trials) if t.get("kept"))
-    log(f"selection: {len(trials)} plans measured on {len(windows)} calibration windows; "
-        f"kept the one ranked {rank + 1} by prediction (measured KL "
-        f"{trials[rank]['measured']:.4f}, the predicted best {trials[0]['measured']:.4f})")
-    return plan, trials

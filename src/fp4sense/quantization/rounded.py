@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["RoundedWeights", "RoundedWeightsError", "round_menu", "uniform_plan"]
+__all__ = ["RoundedWeights", "RoundedWeightsError", "round_beside", "round_menu",
+           "rounding_dir", "uniform_plan"]
 
 #: what the report's ``text["quantized_weights"]`` says when the scores are after GPTQ
 SOURCE = "GPTQ (llm-compressor oneshot, every unit one scheme, the calibration windows)"
@@ -58,6 +59,14 @@ class RoundedWeights:
         h = hashlib.sha256("|".join(f"{s}={f.name}" for s, f in sorted(self.files.items()))
                            .encode())
         return h.hexdigest()[:16]
+
+    def unit(self, unit, scheme: str, only: int | None, device) -> list | None:
+        """The unit's weights as stored, on ``device`` (``only``: that one, None the
+        others); None when ``scheme`` is not given (it is rounded to nearest then)."""
+        if scheme not in self.files:
+            return None
+        return [self.weight(m, scheme).to(device) if only is None or i == only else None
+                for i, m in enumerate(unit.modules)]
 
     def weight(self, module: str, scheme: str) -> torch.Tensor:
         from safetensors import safe_open
@@ -116,3 +125,21 @@ def round_menu(source: str, calib: torch.Tensor, units, schemes: Sequence[str],
             raise RoundedWeightsError(f"the uniform {scheme} GPTQ run quantized no linear")
         os.replace(partial, path)  # whole or absent: a later run may trust it
     return files
+
+
+def rounding_dir(out: Path) -> Path:
+    """Where ``quantize --gptq-scores`` keeps the rounded weights until ``out`` is
+    published (beside it, not in it)."""
+    return out.parent / f".{out.name}.gptq-scores"
+
+
+def round_beside(model, source: str, calib: torch.Tensor, schemes: Sequence[str], out: Path,
+                 log: Callable[[str], None] = print) -> dict[str, Path]:
+    """:func:`round_menu` for ``quantize``: the units and fingerprint of ``model`` (the
+    estimate's), the files in :func:`rounding_dir`."""
+    from fp4sense.diagnosis.units import find_units, model_fingerprint
+    from fp4sense.publishing.lineage import public_name
+
+    return round_menu(source, calib, find_units(model, calib[:1, :16]), schemes,
+                      rounding_dir(out), model=public_name(source),
+                      fingerprint=model_fingerprint(model), log=log)
