@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"|block QAD {qad} lr {args.qad_lr:g}" if qad else "")
             folder = args.cache / "checkpoints" / key.replace("|", "_").replace(" ", "")
             if key not in done:
-                done.keep(checkpoint_row(key, folder, after_path, menu, budget, qad,
+                done.keep(checkpoint_row(key, folder, calib, after_path, menu, budget, qad,
                                          args.qad_lr))
             method = "GPTQ" + (" + block QAD ({steps} steps per block, lr {lr:g})".format(
                 **done[key]["qad"]) if qad else "") + ", written bf16 checkpoint"
@@ -228,32 +228,18 @@ def gptq_model(plan, calib: torch.Tensor, plan_path: Path, distill: dict | None 
     return model.eval(), recipe[-1].record if distill is not None else None
 
 
-def checkpoint_row(key: str, folder: Path, report: Path, menu: list[str], budget: float,
-                   qad_steps: int, qad_lr: float) -> dict:
-    """`fp4sense quantize` of the bundled model from ``report`` (the after-GPTQ scores)
-    with GPTQ (and block QAD), written and evaluated from disk (16 windows)."""
-    from fp4sense.api import quantize_model
-    from fp4sense.quantization.distill import DistillSettings
+def checkpoint_row(key: str, folder: Path, calib: torch.Tensor, report: Path,
+                   menu: list[str], budget: float, qad_steps: int, qad_lr: float) -> dict:
+    """bench/stack.py's checkpoint row (`fp4sense quantize`, written and evaluated from
+    disk, 16 windows) of the plan from ``report`` (the after-GPTQ scores), with GPTQ and,
+    with ``qad_steps``, block QAD (28 windows trained, 4 held out)."""
+    from stack import checkpoint
 
-    distill = DistillSettings(steps=qad_steps, lr=qad_lr, windows=28, holdout=4,
-                              mode="block") if qad_steps else None
-    t = time.perf_counter()
-    result = quantize_model(None, out_dir=folder, budget_bits=budget, menu=menu,
-                            sensitivity=report, scale_search=False, gptq=True,
-                            distill=distill, calib_windows=32, eval_windows=16,
-                            overwrite=True, progress=False, log=print)
-    e, timings = result["eval"], result["timings"]
-    item = {"key": key, "bits": e["effective_bits"], "kl": e["kl"], "kl_se": e["kl_se"],
-            "ppl": e["ppl"], "top1": e["top1"], "eval": "checkpoint",
-            "schemes": result["plan"]["schemes"],
-            "predicted_kl": result["plan"]["predicted_kl"], "timings": timings,
-            "wall_s": round(time.perf_counter() - t - timings.get("eval_s", 0.0), 1)}
-    if distill is not None:
-        record = json.loads((folder / "distill.json").read_text())
-        item["qad"] = {"steps": qad_steps, "steps_total": record["steps"],
-                       "lr": record["settings"]["lr"],
-                       **{k: record.get(k) for k in ("loss_before", "loss_after", "holdout",
-                                                     "time_s")}}
+    settings = argparse.Namespace(steps=qad_steps, lr=qad_lr, lr_4bit=1.0, qad_windows=28,
+                                  qad_holdout=4, qad_mode="block")
+    item = checkpoint(key, folder, calib, report, settings, budget_bits=budget, menu=menu,
+                      gptq=True, qad=bool(qad_steps))
+    item["predicted_kl"] = json.loads((folder / "plan.json").read_text())["predicted_kl"]
     return item
 
 

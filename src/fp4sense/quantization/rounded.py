@@ -49,10 +49,6 @@ class RoundedWeights:
         self._handles: dict[str, object] = {}
 
     @property
-    def schemes(self) -> set[str]:
-        return set(self.files)
-
-    @property
     def identity(self) -> str:
         """Names the files (which name the model, the windows and the scheme): the
         analysis cache keeps these scores apart from round-to-nearest ones."""
