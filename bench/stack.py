@@ -12,7 +12,9 @@ at its 4.95 target), evaluated in memory with fp4sense's fake quantization (bit 
 the checkpoints'; bits from the plan's accounting, which equals the written bytes); and,
 written as real checkpoints by `fp4sense quantize` (searched twins on) and evaluated
 from disk (bits measured from the files): plan + GPTQ and plan + GPTQ + QAD at the
-target budget of each of ``--checkpoint-menus``, and uniform NVFP4 + QAD at 4.5 bits.
+target budget of each of ``--checkpoint-menus`` (or at each of ``--checkpoint-budgets``),
+and uniform NVFP4 + QAD at 4.5 bits. `bench/stack_table.py` merges the results into one
+table per menu, method by budget.
 The same run times a plain llm-compressor NVFP4 oneshot on the same calibration data (the
 baseline of the time target) and runs `fp4sense verify-vllm` on every written checkpoint
 (``--verify``).
@@ -68,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify", action="store_true", help="verify-vllm each checkpoint")
     parser.add_argument("--checkpoint-menus", default="W4A4,weight-only,MX",
                         help="menus whose rows are also written as checkpoints (GPTQ, QAD)")
+    parser.add_argument("--checkpoint-budgets", default=None, metavar="BITS[,BITS]",
+                        help="budgets of the written plan rows (default: each menu's target "
+                             "budget); the W4A4 row at its target budget is the timed one")
     parser.add_argument("--fresh", action="store_true")
     parser.add_argument("--only", default=None, metavar="METHOD[,METHOD]",
                         help="write only these rows' checkpoints (e.g. 'plan + QAD'); "
@@ -158,8 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         done.keep({"key": "plain-oneshot", "wall_s": plain_s})
     del model
     # written checkpoints, in priority order; results are rewritten after each one
-    plans = [(name, m, TARGETS[name][0]) for name, m in menus.items()
-             if name in args.checkpoint_menus.split(",")]
+    plans = [(name, m, b) for name, m in menus.items()
+             if name in args.checkpoint_menus.split(",")
+             for b in ([float(x) for x in args.checkpoint_budgets.split(",")]
+                       if args.checkpoint_budgets else [TARGETS[name][0]])]
     qad = "block QAD" if args.qad_mode == "block" else "QAD"
     runs = [(n, "plan + GPTQ", dict(budget_bits=b, menu=m, gptq=True)) for n, m, b in plans]
     if "W4A4" in args.checkpoint_menus.split(","):  # the menu's top: uniform NVFP4
@@ -169,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(("W4A4", f"uniform + GPTQ + {qad}",
                          dict(budget_bits=16.0, menu=["NVFP4"], gptq=True, qad=True)))
     runs[1:1] = [(n, f"plan + GPTQ + {qad}", dict(budget_bits=b, menu=m, gptq=True, qad=True,
-                                                  own_analysis=n == "W4A4"))
+                                                  own_analysis=b == TARGETS[n][0]))
                  for n, m, b in plans if n == "W4A4"]  # the timed row, then the rest
     runs += [(n, f"plan + GPTQ + {qad}", dict(budget_bits=b, menu=m, gptq=True, qad=True))
              for n, m, b in plans if n != "W4A4"]

@@ -253,3 +253,20 @@ def test_qad_after_gptq_starts_from_gptqs_rounding_and_ends_on_its_grid(
     assert codes and any(not torch.equal(after[k], gptq[k]) for k in codes)
     scales = [k for k in gptq if k.endswith(("weight_scale", "weight_global_scale"))]
     assert scales and all(torch.equal(after[k], gptq[k]) for k in scales)
+
+
+def test_the_qad_modifier_without_calibration_data_names_itself(tiny_llama):
+    """A recipe whose QAD has no calibration data to train on (oneshot without a dataset,
+    its other modifier data-free) stops with one error naming the QAD modifier."""
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    from fp4sense_llmcompressor.distill import QuantizationAwareDistillationModifier
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
+    recipe = [QuantizationModifier(targets=["Linear"], scheme="FP8_DYNAMIC",
+                                   ignore=["lm_head"]),
+              QuantizationAwareDistillationModifier(steps=2)]
+    with pytest.raises(ValueError, match="QuantizationAwareDistillationModifier trains on the "
+                                         "calibration data: pass a dataset to oneshot"):
+        oneshot(model=model, recipe=recipe)

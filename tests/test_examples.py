@@ -104,13 +104,22 @@ def test_cli_walkthrough_runs_every_step(tiny_llama, text_file, tmp_path, serve_
 
 
 @pytest.mark.slow
-def test_qad_recipe_trains_after_gptq_through_oneshot(tiny_llama, tmp_path):
+def test_qad_recipe_trains_after_gptq_through_oneshot(tiny_llama, tmp_path, monkeypatch):
     """The QAD example recipe (planner, GPTQ, block-wise QAD) runs through llm-compressor's
-    oneshot as it stands, a few steps and samples fewer, and saves a checkpoint."""
+    oneshot as it stands, a few steps and samples fewer, and saves a checkpoint. Its
+    default pipeline gives each modifier that needs calibration data a pass through the
+    model of its own: the planner and GPTQ get one each, QAD (which reads the calibration
+    windows itself) none."""
     import torch
     import yaml
     from llmcompressor import oneshot
+    from llmcompressor.pipelines.sequential.pipeline import SequentialPipeline
     from transformers import AutoModelForCausalLM
+
+    passes = []
+    run = SequentialPipeline.__call__
+    monkeypatch.setattr(SequentialPipeline, "__call__", staticmethod(
+        lambda *a, **k: passes.append(1) or run(*a, **k)))
 
     import fp4sense_llmcompressor  # noqa: F401
     from fp4sense.checkpoint.checks import check_checkpoint
@@ -125,5 +134,6 @@ def test_qad_recipe_trains_after_gptq_through_oneshot(tiny_llama, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
     oneshot(model=model, recipe=str(path), dataset=_calibration(tiny_llama),
             num_calibration_samples=4, max_seq_length=64)
+    assert len(passes) == 2  # SensitivityGuidedModifier, GPTQModifier
     model.save_pretrained(tmp_path / "ck", save_compressed=True)
     check_checkpoint(tmp_path / "ck")

@@ -81,8 +81,12 @@ class QuantizationAwareDistillationModifier(Modifier):
     mode: str = "end-to-end"
     state_dir: str | None = None
     device: str | None = None
-    # it trains on the calibration data (and so needs the sequential pipeline's data)
-    requires_calibration_data: bool = True
+    # It trains on the calibration data, which it reads itself (``state.data.calib``),
+    # and observes nothing during a calibration pass. llm-compressor's default pipeline
+    # ("independent") gives every modifier that requires calibration data a sequential
+    # pass of its own: for this one a whole forward pass through every layer that changes
+    # nothing. Declared data-free, it gets the data-free pipeline (no forward pass).
+    requires_calibration_data: bool = False
 
     _record: dict | None = PrivateAttr(None)
     _later: dict | None = PrivateAttr(None)  # what the training after GPTQ needs
@@ -164,7 +168,8 @@ def _training_windows(state: State, n: int, seed: int) -> torch.Tensor:
     """``n`` calibration samples chosen by ``seed`` from all of them in a canonical order
     (llm-compressor's sampler shuffles without a seed: a recipe run again trains on the
     same windows only if the choice does not depend on its order)."""
-    rows = _calibration_windows(state, 1 << 62)
+    rows = _calibration_windows(state, 1 << 62, "QuantizationAwareDistillationModifier "
+                                "trains on the calibration data")
     rows = rows[sorted(range(len(rows)), key=lambda i: rows[i].tolist())]
     pick = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))[:n]
     return rows[pick]

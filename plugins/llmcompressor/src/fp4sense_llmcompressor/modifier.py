@@ -145,12 +145,14 @@ def _outside(model: torch.nn.Module, plan: Plan) -> list[str]:
                   if isinstance(m, torch.nn.Linear) and n not in planned)
 
 
-def _calibration_windows(state: State, n: int) -> torch.Tensor:
-    """The first ``n`` calibration samples as an (n, T) tensor (cut to the shortest)."""
+def _calibration_windows(state: State, n: int,
+                         needs: str = "SensitivityGuidedModifier without `sensitivity` "
+                                      "estimates it from the calibration data") -> torch.Tensor:
+    """The first ``n`` calibration samples as an (n, T) tensor (cut to the shortest);
+    without any, an error that says who ``needs`` them."""
     loader = getattr(getattr(state, "data", None), "calib", None)
     if loader is None:
-        raise ValueError("SensitivityGuidedModifier without `sensitivity` estimates it from "
-                         "the calibration data: pass a dataset to oneshot")
+        raise ValueError(f"{needs}: pass a dataset to oneshot")
     rows: list[torch.Tensor] = []
     for batch in loader:
         ids = batch["input_ids"] if isinstance(batch, dict) else batch[0]

@@ -1,0 +1,102 @@
+"""The issue-15 table: per menu, every method (rows) at every budget (columns), merged from
+the results of `bench/stack.py` runs and `bench/gptq_scores.py` runs.
+
+Each cell is the KL (16 evaluation windows, per protocol), the bits, where it was measured
+(``ckpt``: a checkpoint written by `fp4sense quantize` and read back from disk, bits
+measured from its files; ``mem``: in memory, bits from the plan's accounting) and, for
+a checkpoint, the wall time of writing it. An empty cell was not run. When one method
+and budget appear in several results, a checkpoint wins over an in-memory row, then the
+file named first.
+
+    .venv/bin/python bench/stack_table.py [RESULT.json ...]
+
+Writes bench/results/stack_table.md; prints it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT = ["stack.json", "stack_block.json", "stack_block_w4a4.json",
+           "gptq_scores_weight_only.json", "gptq_scores_W4A4.json"]
+ORDER = ["uniform RTN", "uniform + searched scales", "plan RTN", "plan + searched scales",
+         "plan + GPTQ", "plan + GPTQ + QAD", "plan + GPTQ + block QAD", "plan + QAD",
+         "uniform + QAD"]
+
+
+def rows_of(path: Path) -> list[dict]:
+    """``path``'s rows with a method name, a column and where they were measured."""
+    result = json.loads(path.read_text())
+    out = []
+    for r in result["rows"]:
+        if "scores" in r:  # bench/gptq_scores.py: plans from RTN or after-GPTQ scores
+            how = re.sub(r" \(.*?\)", "", r["method"]).split(",")[0]
+            method = f"plan ({r['scores']}) + {how}" + (", fp32" if r.get("eval") !=
+                                                         "checkpoint" else "")
+        else:
+            method = r["method"]
+        column = "uniform" if r.get("budget") is None else f"{r['budget']:g}"
+        out.append({**r, "method": method, "column": column, "source": path.name,
+                    "eval": r.get("eval", "in memory")})
+    return out
+
+
+def merge(paths: list[Path]) -> dict[str, dict[tuple[str, str], dict]]:
+    """menu -> (method, column) -> the row kept."""
+    table: dict[str, dict[tuple[str, str], dict]] = {}
+    for path in paths:
+        for r in rows_of(path):
+            cells = table.setdefault(r["menu"], {})
+            key = (r["method"], r["column"])
+            kept = cells.get(key)
+            if kept is None or (kept["eval"] != "checkpoint" and r["eval"] == "checkpoint"):
+                cells[key] = r
+    return table
+
+
+def cell(r: dict) -> str:
+    where = "ckpt" if r["eval"] == "checkpoint" else "mem"
+    wall = f", {r['wall_s']:.0f} s" if r["eval"] == "checkpoint" and r.get("wall_s") else ""
+    return f"{r['kl']:.4f}<br>{r['bits']:.3f} b, {where}{wall}"
+
+
+def markdown(table: dict, paths: list[Path]) -> str:
+    lines = ["# Every method at every budget (issue 15's table)", "",
+             "`python bench/stack_table.py` from " + ", ".join(f"`{p.name}`" for p in paths)
+             + ". KL on 16 evaluation windows; `ckpt`: written by `fp4sense quantize`, read "
+             "back from disk, bits measured from its files, wall time of writing it; `mem`: "
+             "in memory (fp4sense's fake quantization, bit for bit the checkpoint's, bits from "
+             "the plan); `fp32`: llm-compressor's oneshot on the float32 model, in memory "
+             "(`bench/gptq_scores.py`). Empty: not run. Each row's QAD settings (steps, learning "
+             "rate, windows) are in its source's Markdown (the same name, `.md`).", ""]
+    for menu, cells in table.items():
+        columns = sorted({c for _, c in cells}, key=lambda c: -1.0 if c == "uniform" else
+                         float(c))
+        methods = sorted({m for m, _ in cells},
+                         key=lambda m: (ORDER.index(m) if m in ORDER else len(ORDER), m))
+        lines += [f"## {menu}", "", "| method | " + " | ".join(
+            "uniform (4 bits + scales)" if c == "uniform" else f"{c} bits" for c in columns)
+            + " |", "|---" * (len(columns) + 1) + "|"]
+        for m in methods:
+            lines.append(f"| {m} | " + " | ".join(
+                cell(cells[(m, c)]) if (m, c) in cells else "" for c in columns) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    names = (argv if argv is not None else sys.argv[1:]) or DEFAULT
+    paths = [p if p.is_file() else RESULTS / p.name for p in map(Path, names)]
+    paths = [p for p in paths if p.is_file()]
+    text = markdown(merge(paths), paths)
+    (RESULTS / "stack_table.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
