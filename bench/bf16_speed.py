@@ -4,7 +4,7 @@ llm-compressor's oneshot (the calibration passes of `fp4sense quantize`) runs th
 bfloat16; fp4sense's estimate, evaluation and QAD run float32. On a CPU without native
 bfloat16 the former are several times slower, which sets what a written-checkpoint row
 of the benchmarks costs here. One SmolLM2-sized linear (576 -> 1536, 2048 tokens), the
-median of ``--repeat`` timings per dtype, on all the threads torch uses.
+median of 20 timings per dtype, on all the threads torch uses.
 
     .venv/bin/python bench/bf16_speed.py
 

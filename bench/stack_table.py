@@ -40,7 +40,7 @@ def rows_of(path: Path) -> list[dict]:
         else:
             method = r["method"]
         column = "uniform" if r.get("budget") is None else f"{r['budget']:g}"
-        out.append({**r, "method": method, "column": column, "source": path.name,
+        out.append({**r, "method": method, "column": column,
                     "eval": r.get("eval", "in memory")})
     return out
 
