@@ -92,6 +92,7 @@ def rerun_recipe(folder: Path, base: Path, text_file: Path, again: Path) -> None
     """Run ``folder``'s recipe.yaml with llm-compressor's oneshot on ``base`` (from the
     checkpoint folder: the recipe names its files relative to it) and write the result
     to ``again``, as a user reproducing a checkpoint would (4 windows of 64 tokens)."""
+    import json
     import os
 
     from datasets import Dataset
@@ -105,7 +106,10 @@ def rerun_recipe(folder: Path, base: Path, text_file: Path, again: Path) -> None
     calib = analysis_windows(tok, text_file, 4, 64)
     data = Dataset.from_dict({"input_ids": calib.tolist(),
                               "attention_mask": torch.ones_like(calib).tolist()})
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+    # in the dtype the checkpoint was calibrated in, as recipe.yaml's header says
+    dtype = json.loads((folder / "plan.json").read_text()).get("calibration", {}).get(
+        "dtype", "bfloat16")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype))
     cwd = os.getcwd()
     os.chdir(folder)
     try:

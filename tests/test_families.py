@@ -62,6 +62,14 @@ def test_quantize_and_eval(family_checkpoint, text_file):
     assert result["eval"]["effective_bits"] == pytest.approx(result["plan"]["bits_theory"],
                                                              rel=1e-9)
     assert result["eval"]["effective_bits"] <= 5.0
+    # calibrated in the CPU's float32; the unquantized tensors stored as the base stores them
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["calibration"] == {"dtype": "float32", "stored_dtype": "bfloat16"}
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        wide = {f.get_slice(k).get_dtype() for k in f.keys() if not k.endswith("global_scale")}
+    assert "F32" not in wide, wide
     proc = subprocess.run([FP4SENSE, "eval", str(out), "--text", str(text_file), "--windows",
                            "2", "--tokens", "64", "--json"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -16,8 +16,9 @@ import torch
 __all__ = ["CACHE_VERSION", "EntryCache", "cache_key"]
 
 #: Bump when a change of the computation makes cached entries stale (2: the estimate's
-#: sampling generator is seeded per window).
-CACHE_VERSION = 2
+#: sampling generator is seeded per window; 3: weights quantized in the compute dtype,
+#: which the key names).
+CACHE_VERSION = 3
 
 
 class EntryCache:
@@ -55,11 +56,13 @@ class EntryCache:
                 fh.flush()
 
 
-def cache_key(fingerprint: str, windows: torch.Tensor, weights: str = "") -> str:
-    """Cache identity: model weights, analysis tokens, the computation's version, and
-    ``weights``, the identity of quantized weights given instead of round-to-nearest."""
+def cache_key(fingerprint: str, windows: torch.Tensor, weights: str = "",
+              compute_dtype: str = "float32") -> str:
+    """Cache identity: model weights, analysis tokens, the computation's version and
+    dtype, and ``weights``, the identity of quantized weights given instead of
+    round-to-nearest."""
     h = hashlib.sha256()
-    h.update(f"{CACHE_VERSION}|{fingerprint}|{tuple(windows.shape)}".encode())
+    h.update(f"{CACHE_VERSION}|{fingerprint}|{tuple(windows.shape)}|{compute_dtype}".encode())
     if weights:
         h.update(f"|{weights}".encode())
     h.update(windows.to(torch.int64).numpy().tobytes())

@@ -79,6 +79,10 @@ class Analysis:
             self.store = BlockStore(model, units.blocks_path, offload_dir, self.device)
             self.original = Originals(self.modules, self.store)
             model.to(self.device)  # the blocks are empty now: the rest moves
+        # the weights are quantized in the model's compute dtype, the dtype the host's
+        # oneshot calibrates in; FP8 / INT scales rounded to the files' dtype, as stored
+        self.weight_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        self.stored_dtype = getattr(model, "fp4sense_stored_dtype", self.weight_dtype)
         self.qweights: OrderedDict[tuple, list] = OrderedDict()  # (unit, scheme[, index])
         self.qweight_bytes = 0
         self.qweight_limit = WEIGHT_CACHE_BYTES
@@ -110,11 +114,13 @@ class Analysis:
             imps = [self.importance.get(m) for m in unit.modules]
             # streamed: the temporaries leave memory when freed (a block's worth at a time)
             with mapped_allocations() if self.store is not None else nullcontext():
-                # quantized in bf16 (the checkpoint's dtype), so bf16 holds them exactly
+                # quantized in the dtype the model computes in (the host calibrates in
+                # it) and kept in bf16, what transformers and vLLM dequantize them to
                 ws = quantize_unit(scheme, unit, [self.original[m] if only is None or i in group
                                                   else None for i, m in enumerate(unit.modules)],
                                    importance=imps if any(i is not None for i in imps) else None,
-                                   out_dtype=torch.bfloat16, only=only)
+                                   out_dtype=torch.bfloat16, only=only,
+                                   dtype=self.weight_dtype, scale_dtype=self.stored_dtype)
         size = _nbytes(ws)
         if size <= self.qweight_limit:  # the least recently used make room
             while self.qweights and self.qweight_bytes + size > self.qweight_limit:

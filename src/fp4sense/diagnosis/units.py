@@ -291,14 +291,17 @@ def quantize_unit(scheme: str, unit: Unit, weights: Sequence[torch.Tensor],
                   importance: Sequence[torch.Tensor | None] | None = None,
                   block_scales: Sequence[torch.Tensor] | None = None,
                   out_dtype: torch.dtype | None = None,
-                  only: int | None = None) -> list[torch.Tensor | None]:
+                  only: int | None = None, dtype: torch.dtype = torch.bfloat16,
+                  scale_dtype: torch.dtype | None = None) -> list[torch.Tensor | None]:
     """``unit``'s weights fake-quantized under ``scheme``, each of its scale groups on
     its own (a fused group shares one NVFP4 global scale; MoE experts one per expert).
     ``importance``: per weight, the E[x^2] of its inputs (searched-scale schemes);
     ``block_scales``: per weight, scales from :func:`unit_scales` (no new search);
     ``out_dtype``: of the results (default: each weight's own); ``only``: the index of
     the one weight to quantize (the same bits; the others are None, and only its scale
-    group's ``weights`` are read: the others may be None)."""
+    group's ``weights`` are read: the others may be None); ``dtype`` / ``scale_dtype``:
+    the host's calibration dtype and the checkpoint's scale dtype
+    (:func:`fp4sense.numerics.fakequant.quantize_weights`)."""
     from fp4sense.numerics.fakequant import quantize_weights
 
     out: list[torch.Tensor | None] = [None] * len(weights)
@@ -309,24 +312,26 @@ def quantize_unit(scheme: str, unit: Unit, weights: Sequence[torch.Tensor],
         given = None if block_scales is None else [block_scales[i] for i in part]
         done = quantize_weights(scheme, [weights[i] for i in part], importance=imps,
                                 block_scales=given, out_dtype=out_dtype,
-                                only=None if only is None else part.index(only))
+                                only=None if only is None else part.index(only), dtype=dtype,
+                                scale_dtype=scale_dtype)
         for i, w in zip(part if only is None else (only,), done, strict=True):
             out[i] = w
     return out
 
 
 def unit_scales(scheme: str, unit: Unit, weights: Sequence[torch.Tensor],
-                importance: Sequence[torch.Tensor | None] | None = None
-                ) -> list[torch.Tensor]:
+                importance: Sequence[torch.Tensor | None] | None = None,
+                dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
     """The block scales a ``*_SEARCH`` scheme's search picks for ``unit``'s weights (per
-    weight; each scale group's global scale as :func:`quantize_unit` uses it)."""
+    weight, searched in ``dtype``; each scale group's global scale as
+    :func:`quantize_unit` uses it)."""
     from fp4sense.numerics.fakequant import searched_scales
 
     out: list[torch.Tensor | None] = [None] * len(weights)
     for part in unit.scale_groups:
         imps = None if importance is None else [importance[i] for i in part]
         for i, s in zip(part, searched_scales(scheme, [weights[i] for i in part],
-                                              importance=imps), strict=True):
+                                              dtype=dtype, importance=imps), strict=True):
             out[i] = s
     return out
 

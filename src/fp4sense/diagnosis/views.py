@@ -223,7 +223,10 @@ def analyze(
                              f"model has {units.n_blocks} decoder blocks (0–"
                              f"{units.n_blocks - 1})")
     fingerprint = model_fingerprint(model)
-    key = cache_key(fingerprint, windows, rounded.identity if rounded is not None else "")
+    # the weights are quantized in the compute dtype: a bf16 run's scores are not float32's
+    compute = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    key = cache_key(fingerprint, windows, rounded.identity if rounded is not None else "",
+                    compute_dtype=str(compute).removeprefix("torch."))
     if rounded is not None:
         text = {**(text or {}), "quantized_weights": rounded.source}
     cache = EntryCache(Path(cache_dir) / f"{key}.jsonl" if cache_dir else None)

@@ -8,11 +8,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["BUNDLED_MODEL_NOTE", "DEFAULT_ANALYSIS_WINDOWS", "analysis_windows", "load_model"]
+__all__ = ["BUNDLED_MODEL_NOTE", "DEFAULT_ANALYSIS_WINDOWS", "STORED_DTYPES", "analysis_windows",
+           "load_model", "stored_dtype"]
 
 #: Printed beside every figure measured on the bundled model (protocol.md).
 BUNDLED_MODEL_NOTE = ("The bundled SmolLM2-135M-Instruct weights were Q4_1-quantized (GGUF) "
                       "before fp4sense got them; figures are relative to that model.")
+#: dtypes a base model's files may store its weights in (a checkpoint of other tensors,
+#: e.g. already quantized, is no base to quantize)
+STORED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Analysis windows by default: the protocol's quick analysis (8 calibration windows).
 DEFAULT_ANALYSIS_WINDOWS = 8
 
@@ -47,6 +51,7 @@ def load_model(source: str | os.PathLike | None = None, dtype: torch.dtype = tor
         raise InputError(f"model {text!r} not found: no such folder here, and not a Hub id "
                          "(ORG/NAME); pass a model folder or a Hub id")
     try:
+        files_dtype = stored_dtype(source)
         if low_memory:
             model, info = _load_without_blocks(source, dtype)
         else:
@@ -67,6 +72,8 @@ def load_model(source: str | os.PathLike | None = None, dtype: torch.dtype = tor
             f"initialized at random ({', '.join(sorted(missing)[:3])}"
             f"{', ...' if len(missing) > 3 else ''}); fp4sense analyzes decoder-only "
             "causal LMs whose weights are all in the checkpoint")
+    # what the checkpoint will store unquantized tensors in (the files', not the compute's)
+    model.fp4sense_stored_dtype = files_dtype
     if low_memory:
         _attach_blocks(model, source, text, dtype, device)
     else:
@@ -77,6 +84,28 @@ def load_model(source: str | os.PathLike | None = None, dtype: torch.dtype = tor
     if torch.device(device) != model.device:
         model.to(device)
     return model, tokenizer, notes
+
+
+def stored_dtype(source: str | os.PathLike) -> torch.dtype:
+    """The dtype the files of ``source`` (a folder or Hub id) store its weights in, from
+    its config (float32 where the config names none, as transformers then assumes).
+    Refuses, in one line, a checkpoint that is already quantized or stores another dtype."""
+    from transformers import AutoConfig
+
+    from fp4sense.validate import InputError
+
+    config = AutoConfig.from_pretrained(source)
+    if getattr(config, "quantization_config", None):
+        raise InputError(f"model {str(source)!r} is already quantized (its config.json has a "
+                         "quantization_config); give the unquantized base model")
+    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if named is None or named == "auto":
+        return torch.float32
+    name = str(named).removeprefix("torch.")
+    if name not in STORED_DTYPES:
+        raise InputError(f"model {str(source)!r} stores its weights in {name}; fp4sense "
+                         f"quantizes models stored in {', '.join(STORED_DTYPES)}")
+    return STORED_DTYPES[name]
 
 
 def _weight_files(source) -> dict[str, Path]:

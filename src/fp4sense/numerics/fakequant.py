@@ -54,8 +54,11 @@ def _by_rows(weight: torch.Tensor, fn: Callable[[slice], torch.Tensor],
     return out
 
 
-def _minmax_qdq(weight: torch.Tensor, args) -> torch.Tensor:
-    """compressed-tensors fake quantization with min-max qparams (channel or group)."""
+def _minmax_qdq(weight: torch.Tensor, args, scale_dtype: torch.dtype | None = None
+                ) -> torch.Tensor:
+    """compressed-tensors fake quantization with min-max qparams (channel or group);
+    ``scale_dtype``: the dtype the checkpoint stores the scales in, where that is not the
+    weight's (a float32 calibration of a bf16 model stores them rounded to bf16)."""
     from compressed_tensors.quantization import QuantizationStrategy
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils import calculate_qparams
@@ -68,6 +71,8 @@ def _minmax_qdq(weight: torch.Tensor, args) -> torch.Tensor:
     else:  # pragma: no cover - no menu scheme uses another weight strategy
         raise ValueError(f"unsupported weight strategy {args.strategy}")
     scale, zero_point = calculate_qparams(lo, hi, args)
+    if scale_dtype is not None and scale_dtype != scale.dtype:
+        scale = scale.to(scale_dtype).to(scale.dtype)
     return fake_quantize(weight, scale, zero_point, args)
 
 
@@ -80,10 +85,15 @@ def quantize_weights(
     block_scales: Sequence[torch.Tensor] | None = None,
     out_dtype: torch.dtype | None = None,
     only: int | None = None,
+    scale_dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
     """Fake-quantized copies of ``weights`` (the parts of one unit) under ``scheme``, in
     ``out_dtype`` (default: each weight's own); with ``only``, of that part alone (its
     global scale still the whole group's: the same bits, a list of one).
+
+    ``dtype`` is the one the host calibrates in (the weights are quantized, and the scales
+    computed, in it); ``scale_dtype`` the one the checkpoint stores FP8 / INT scales in
+    (default: ``dtype``; FP4 formats fix their scales' dtypes).
 
     The parts of a fused group are passed together: NVFP4 gives them one global scale.
     ``importance`` (one (in,) E[x^2] per part, or None) weights the block-scale search of
@@ -114,7 +124,7 @@ def quantize_weights(
                     w[rows], fmt, global_scale=gs, scales=None if sc is None else sc[rows]), d)
                 for w, sc, d in zip(ws, given, out_dtype, strict=True)]
     args = to_quantization_scheme(s, ["Linear"]).weights
-    return [_by_rows(w, lambda rows, w=w: _minmax_qdq(w[rows], args), d)
+    return [_by_rows(w, lambda rows, w=w: _minmax_qdq(w[rows], args, scale_dtype), d)
             for w, d in zip(ws, out_dtype, strict=True)]
 
 

@@ -67,6 +67,9 @@ class Plan:
     pins: dict[str, str] = field(default_factory=dict)
     #: FP4 training applied after planning (QAD: steps, text, loss before / after)
     training: dict = field(default_factory=dict)
+    #: how the host calibrates: {"dtype": the model's dtype during the oneshot,
+    #: "stored_dtype": the dtype the checkpoint keeps unquantized tensors in}
+    calibration: dict = field(default_factory=dict)
     version: int = PLAN_VERSION
     fp4sense_version: str = __version__
 

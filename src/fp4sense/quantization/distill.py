@@ -158,6 +158,8 @@ def distill(model: torch.nn.Module, units: UnitMap, schemes: dict[str, str],
         raise DistillError(f"no fixed-scale quantizer for {missing[:3]}: every trained "
                            "linear needs its calibrated scales")
     done = False
+    # the weights are quantized in the dtype the model came in (the host calibrates in it)
+    home = modules[names[0]].weight.dtype
     with _float32(model):
         for p in model.parameters():
             p.requires_grad_(False)
@@ -176,7 +178,7 @@ def distill(model: torch.nn.Module, units: UnitMap, schemes: dict[str, str],
             if frozen is not None:
                 return FrozenRefresher(modules, [m for u, _ in part for m in u.modules],
                                        frozen.weights)
-            return Refresher(modules, part, base.importance)
+            return Refresher(modules, part, base.importance, dtype=home)
 
         quantizer = quantizer_of(trained)
         n = len(data) - settings.holdout  # trained on the first n, judged on the rest

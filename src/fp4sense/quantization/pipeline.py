@@ -84,11 +84,14 @@ def quantize_model(
     interrupted run never leaves a checkpoint that looks complete. Without
     ``overwrite`` a non-empty ``out_dir`` is refused before anything runs.
 
-    ``device`` and ``dtype`` place the estimate and the evaluation (default: the
-    protocol's CPU float32; the model is loaded in ``dtype``, never first in float32).
-    The oneshot step runs where llm-compressor puts it: its sequential pipeline onloads
-    one decoder block at a time to the first accelerator (the CPU when there is none),
-    from a model it loads in bfloat16. ``low_memory`` streams the estimate one decoder
+    ``device`` and ``dtype`` place the estimate, the oneshot and the evaluation (default:
+    float32 on a CPU, bfloat16 on a GPU; the model is loaded from its files in ``dtype``,
+    never cast after loading). The oneshot calibrates in ``dtype`` (llm-compressor's
+    sequential pipeline onloads one decoder block at a time to the first accelerator, the
+    CPU when there is none) and the estimate quantizes the weights in it, so the
+    estimate scores the bits the checkpoint stores; the checkpoint keeps what it does not
+    quantize in the base's own dtype (plan.json's ``calibration`` records both, and
+    recipe.yaml's header says how to rerun it alike). ``low_memory`` streams the estimate one decoder
     block at a time from the model's own files (:func:`fp4sense.inputs.models.load_model`).
 
     Under torchrun the ranks share the estimate's windows and rank 0 plans; then the
@@ -148,6 +151,8 @@ def quantize_model(
     stored_expert_names(hf_model, source)  # MoE: experts under unpairable names stop here
     hub_id = hub_id_of(source, base_model_id)
     calib = analysis_windows(tokenizer, text, calib_windows, window_tokens)
+    calibration = {"dtype": placement.dtype_name, "stored_dtype": str(
+        hf_model.fp4sense_stored_dtype).removeprefix("torch.")}
     quantized = [s for s in menu if get_scheme(s).quantizes]
     rounded = None
     if gptq_scores and distributed.launch_rank() == 0:
@@ -156,7 +161,7 @@ def quantize_model(
         t = time.perf_counter()
         from fp4sense.quantization.rounded import round_beside
 
-        rounded = round_beside(hf_model, source, calib, quantized, out, log)
+        rounded = round_beside(hf_model, source, calib, quantized, out, calibration, log)
         timings["gptq_scores_s"] = time.perf_counter() - t
     distributed.init_from_env(placement.device, distributed.QUANTIZE_TIMEOUT_S)
     if not distributed.is_main():  # rank 0 speaks for the run and writes the folder
@@ -180,7 +185,7 @@ def quantize_model(
             _plan, hf_model, report, sensitivity, menu, scale_search, calib, estimate_windows,
             select_plans, dict(budget_bits=budget_bits, budget_bytes=budget_bytes,
                                kl_target=kl_target, pins=pins, mode=sensitivity_mode),
-            hub_id, text, work, log, rounded), "planning")
+            hub_id, text, work, log, rounded, calibration), "planning")
         del hf_model
         main, rank = distributed.is_main(), distributed.rank()
         distributed.disband()  # the shared work is done: rank 0 goes on alone
@@ -268,9 +273,11 @@ def _work_folder(out: Path, log: Callable[[str], None]) -> Path:
 
 
 def _plan(model, report, sensitivity, menu, scale_search: bool, calib, estimate_windows: int,
-          select_plans: int, objective: dict, hub_id, text, work: Path, log, rounded=None):
+          select_plans: int, objective: dict, hub_id, text, work: Path, log, rounded=None,
+          calibration: dict | None = None):
     """Rank 0's part: the report (given or estimated) saved without local paths, the plan
-    solved once (or selected among the best measured) and saved for the modifier.
+    solved once (or selected among the best measured) and saved for the modifier, with
+    how the host calibrates (``calibration``, :attr:`~fp4sense.planning.milp.Plan.calibration`).
     ``rounded``: the scores are after GPTQ, and the selection measures with its weights."""
     from fp4sense.numerics.schemes import get_scheme
     from fp4sense.planning.milp import plan_cost, solve
@@ -302,6 +309,7 @@ def _plan(model, report, sensitivity, menu, scale_search: bool, calib, estimate_
         plan = solve(report, **objective)
     if rounded is not None:
         plan.damage_source = f"after-GPTQ {plan.damage_source}"
+    plan.calibration = dict(calibration or {})
     log(f"plan: {plan.schemes()}, {plan.bits:.3f} bits per weight (menu reaches "
         f"{lo:.2f}–{hi:.2f}), predicted KL {plan.predicted_kl:.4f}")
     _check_plan_quantizes(plan, objective["budget_bits"], objective["budget_bytes"], lo, hi,

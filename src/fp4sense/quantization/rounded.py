@@ -78,30 +78,37 @@ class RoundedWeights:
         return handle.get_tensor(module)
 
 
-def uniform_plan(units, scheme: str, model: str, fingerprint: str):
-    """Every unit ``scheme`` (units it cannot quantize stay BF16)."""
+def uniform_plan(units, scheme: str, model: str, fingerprint: str,
+                 calibration: dict | None = None):
+    """Every unit ``scheme`` (units it cannot quantize stay BF16), calibrated as
+    ``calibration`` says (:attr:`fp4sense.planning.milp.Plan.calibration`)."""
     from fp4sense.diagnosis.results import SensitivityReport
     from fp4sense.planning.milp import solve
 
     stub = SensitivityReport(model=model, model_fingerprint=fingerprint, text={},
                              schemes=[scheme], units=units, entries=[],
                              base_ppl=float("nan"))
-    return solve(stub, budget_bits=16.0, menu=[scheme],
+    plan = solve(stub, budget_bits=16.0, menu=[scheme],
                  damage={scheme: {u.name: 0.0 for u in units.units}},
                  damage_source="uniform")
+    plan.calibration = dict(calibration or {})
+    return plan
 
 
 def round_menu(source: str, calib: torch.Tensor, units, schemes: Sequence[str],
                folder: Path, *, model: str, fingerprint: str,
+               calibration: dict | None = None,
                log: Callable[[str], None] = print) -> dict[str, Path]:
     """One GPTQ rounding of the whole model per scheme of ``schemes`` (the registered
-    rounder, on ``calib``); scheme -> its safetensors file in ``folder``. A file a
-    finished earlier run left there (same model, windows and scheme) is used again."""
+    rounder, on ``calib``, calibrating as ``calibration`` says); scheme -> its safetensors
+    file in ``folder``. A file a finished earlier run left there (same model, windows,
+    calibration dtype and scheme) is used again."""
     from fp4sense.diagnosis.cache import cache_key
     from fp4sense.quantization.hosts import ROUNDERS, host
 
     folder.mkdir(parents=True, exist_ok=True)
-    key = cache_key(fingerprint, calib)
+    key = cache_key(fingerprint, calib,
+                    compute_dtype=(calibration or {}).get("dtype", "bfloat16"))
     rounder = None
     files = {}
     for i, scheme in enumerate(schemes, 1):
@@ -111,7 +118,7 @@ def round_menu(source: str, calib: torch.Tensor, units, schemes: Sequence[str],
             continue
         if rounder is None:
             rounder = host(ROUNDERS, what="--gptq-scores")
-        plan_file = uniform_plan(units, scheme, model, fingerprint).save(
+        plan_file = uniform_plan(units, scheme, model, fingerprint, calibration).save(
             folder / f"plan-uniform-{scheme}.json")
         log(f"scores after GPTQ: rounding every unit {scheme} with GPTQ "
             f"({i}/{len(schemes)})")
@@ -130,6 +137,7 @@ def rounding_dir(out: Path) -> Path:
 
 
 def round_beside(model, source: str, calib: torch.Tensor, schemes: Sequence[str], out: Path,
+                 calibration: dict | None = None,
                  log: Callable[[str], None] = print) -> dict[str, Path]:
     """:func:`round_menu` for ``quantize``: the units and fingerprint of ``model`` (the
     estimate's), the files in :func:`rounding_dir`."""
@@ -138,4 +146,5 @@ def round_beside(model, source: str, calib: torch.Tensor, schemes: Sequence[str]
 
     return round_menu(source, calib, find_units(model, calib[:1, :16]), schemes,
                       rounding_dir(out), model=public_name(source),
-                      fingerprint=model_fingerprint(model), log=log)
+                      fingerprint=model_fingerprint(model), calibration=calibration,
+                      log=log)

@@ -51,10 +51,12 @@ def install(modules, trained, absmax, inputs: dict[str, Callable] | None):
 
 
 class Refresher:
-    """Refreshes every straight-through delta from the current master weights."""
+    """Refreshes every straight-through delta from the current master weights, quantized
+    in ``dtype`` (the one the host calibrates in)."""
 
-    def __init__(self, modules, trained, importance):
+    def __init__(self, modules, trained, importance, dtype: torch.dtype = torch.bfloat16):
         self.modules, self.trained, self.importance = modules, trained, importance
+        self.dtype = dtype
         self.scales: dict[str, torch.Tensor] = {}  # searched block scales, per linear
 
     @torch.no_grad()
@@ -66,10 +68,12 @@ class Refresher:
             kept = None
             if scheme.scale_search:  # searched now, or kept from the last search
                 if search or any(m not in self.scales for m in unit.modules):
-                    found = unit_scales(scheme.name, unit, ws, importance=imps)
+                    found = unit_scales(scheme.name, unit, ws, importance=imps,
+                                        dtype=self.dtype)
                     self.scales.update(zip(unit.modules, found, strict=True))
                 kept = [self.scales[m] for m in unit.modules]
-            qs = quantize_unit(scheme.name, unit, ws, importance=imps, block_scales=kept)
+            qs = quantize_unit(scheme.name, unit, ws, importance=imps, block_scales=kept,
+                               dtype=self.dtype)
             for mod, w, q in zip(mods, ws, qs, strict=True):
                 mod.parametrizations.weight[0].delta = (q.to(w.dtype) - w).detach()
 

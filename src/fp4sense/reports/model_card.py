@@ -157,8 +157,8 @@ def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str
               "## Reproduce", "", "From this folder, with `fp4sense-llmcompressor` installed:",
               "", "```python", "import fp4sense_llmcompressor  # registers the modifier",
               "from llmcompressor import oneshot",
-              f"oneshot(model=\"{hub_id or '<base model>'}\", recipe=\"recipe.yaml\", dataset=...)",
-              "```", ""]
+              f"oneshot(model=\"{hub_id or '<base model>'}\", recipe=\"recipe.yaml\", "
+              f"dataset=...{_precision(plan)})", "```", "", *_calibration_lines(plan)]
     path = folder / "README.md"
     ModelCard("\n".join(lines)).save(path)
     return path
@@ -182,6 +182,25 @@ def _objective(objective: dict) -> str:
     if "budget_bytes" in objective:
         return f"a budget of {objective['budget_bytes']:,} bytes"
     return f"the fewest bits keeping predicted KL under {objective['kl_target']}"
+
+
+def _precision(plan) -> str:
+    """oneshot's argument that calibrates in the plan's dtype (none for bfloat16, its
+    default for a bfloat16 base)."""
+    dtype = plan.calibration.get("dtype")
+    return f", precision=\"{dtype}\"" if dtype and dtype != plan.calibration.get(
+        "stored_dtype", "bfloat16") else ""
+
+
+def _calibration_lines(plan) -> list[str]:
+    """Which dtype the oneshot calibrated in and what the files keep unquantized."""
+    c = plan.calibration
+    if not c.get("dtype"):
+        return []
+    return [f"llm-compressor calibrated the model in {c['dtype']} (the weights quantized "
+            f"and the scales computed in it); the unquantized tensors are stored in "
+            f"{c.get('stored_dtype', c['dtype'])}, as in the base model. A rerun "
+            "calibrated in another dtype gives a checkpoint that differs slightly.", ""]
 
 
 def _experts_lines(folder: Path, plan) -> list[str]:

@@ -93,6 +93,6 @@ def resolve(device: str | torch.device | None = "cpu", dtype: str | torch.dtype 
     if where.type == "cpu" and dt == torch.bfloat16 and log is not None \
             and not cpu_has_native_bf16():
         log("note: bfloat16 on this CPU (no AVX512-BF16 / AMX) is computed by conversion "
-            "and runs several times slower than float32; the protocol's figures are float32 "
-            "(--dtype float32)")
+            "and runs several times slower than float32; drop --dtype (float32 is the CPU default) "
+            "unless you need bfloat16's numerics")
     return Placement(where, dt)

@@ -33,11 +33,18 @@ def quantize_with_plan(source: str, calib: torch.Tensor, work: Path, *, plan: st
     ``work / "distill.json"``. ``state_dir``
     keeps an interrupted training's state (it is not written into the recipe).
 
-    :returns: recipe YAML naming the plan relative to the checkpoint folder.
+    The model calibrates in the plan's ``calibration.dtype`` (bfloat16 where the plan
+    names none, as llm-compressor loads models) and the checkpoint stores what it does
+    not quantize in ``calibration.stored_dtype`` (:mod:`fp4sense_llmcompressor.storage`).
+
+    :returns: recipe YAML naming the plan relative to the checkpoint folder, with a header
+        saying how to rerun it in the same dtype.
     """
+    from fp4sense.planning.milp import Plan
     from fp4sense_llmcompressor.modifier import SensitivityGuidedModifier
 
     work = Path(work)
+    dtype = calibration_dtype(work / plan)
     recipe = [SensitivityGuidedModifier(plan=str(work / plan))]
     stage: dict = {"SensitivityGuidedModifier": {"plan": plan}}
     if gptq:
@@ -52,18 +59,33 @@ def quantize_with_plan(source: str, calib: torch.Tensor, work: Path, *, plan: st
         trainer = QuantizationAwareDistillationModifier(**distill, state_dir=state_dir)
         recipe.append(trainer)
         stage["QuantizationAwareDistillationModifier"] = dict(distill)
-    model = calibrated_model(source, calib, recipe)
+    model = calibrated_model(source, calib, recipe, dtype=dtype)
     model.save_pretrained(work, save_compressed=True)
     if trainer is not None:
         (work / "distill.json").write_text(json.dumps(trainer.record, indent=1))
-    return yaml.safe_dump({"quant_stage": {"quant_modifiers": stage}}, sort_keys=False)
+    stored = Plan.load(work / plan).calibration.get("stored_dtype")
+    header = (f"# fp4sense: calibrated in {dtype}"
+              + (f", unquantized tensors stored in {stored}" if stored else "") + ".\n"
+              f"# Rerun from this folder with the base model loaded in {dtype}:\n"
+              f"#   oneshot(model=BASE, recipe=\"recipe.yaml\", dataset=..., "
+              f"precision=\"{dtype}\")\n")
+    return header + yaml.safe_dump({"quant_stage": {"quant_modifiers": stage}},
+                                   sort_keys=False)
+
+
+def calibration_dtype(plan_file: str | Path) -> str:
+    """The dtype a saved plan calibrates in (bfloat16 for plans that name none)."""
+    from fp4sense.planning.milp import Plan
+
+    return Plan.load(plan_file).calibration.get("dtype", "bfloat16")
 
 
 def round_with_plan(source: str, calib: torch.Tensor, out_file: Path, *, plan: str) -> int:
     """Round ``source`` with GPTQ under the plan saved at ``plan`` (the oneshot of
     ``quantize_with_plan(..., gptq=True)``) and save each quantized linear's weight after
-    GPTQ, dequantized in the model's bfloat16, to the safetensors file ``out_file``
-    (tensor names: the linears' module names); return how many."""
+    GPTQ, dequantized and rounded to bfloat16 (what transformers and vLLM compute with),
+    to the safetensors file ``out_file`` (tensor names: the linears' module names); the
+    model calibrates in the plan's dtype, as ``quantize_with_plan``. Return how many."""
     from llmcompressor.modifiers.gptq import GPTQModifier
     from safetensors.torch import save_file
 
@@ -71,25 +93,30 @@ def round_with_plan(source: str, calib: torch.Tensor, out_file: Path, *, plan: s
     from fp4sense_llmcompressor.modifier import SensitivityGuidedModifier
 
     model = calibrated_model(source, calib, [SensitivityGuidedModifier(plan=str(plan)),
-                                     GPTQModifier()])
+                                             GPTQModifier()], dtype=calibration_dtype(plan))
     names = [name for name, module in model.named_modules()
              if getattr(getattr(module, "quantization_scheme", None), "weights", None)]
     bake_weights(model)  # the weights on the grid GPTQ chose, as the checkpoint stores them
-    save_file({n: model.get_submodule(n).weight.detach().contiguous() for n in names},
+    save_file({n: model.get_submodule(n).weight.detach().to(torch.bfloat16).contiguous()
+               for n in names},
               str(out_file))
     return len(names)
 
 
 def calibrated_model(source: str, calib: torch.Tensor, recipe: list,
-                     dtype: torch.dtype = torch.bfloat16):
+                     dtype: str | torch.dtype = torch.bfloat16):
     """``source`` after llm-compressor's oneshot with ``recipe`` on the windows ``calib``
-    (not saved). ``dtype``: bf16 as llm-compressor loads models, so the NVFP4 global scale
-    comes from a bf16 amax, as in every checkpoint fp4sense writes; ``bench/`` runs float32
-    where bf16 matrix products are slow (CPUs without native bf16)."""
+    (not saved), loaded from its files in ``dtype`` (a name or a torch dtype; default
+    bfloat16, as llm-compressor loads models): the weights are quantized, and the scales
+    computed, in that dtype."""
+    from fp4sense_llmcompressor.storage import FLOAT_DTYPES
+
     from datasets import Dataset
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if isinstance(dtype, str):
+        dtype = FLOAT_DTYPES[dtype]
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     data = Dataset.from_dict({"input_ids": calib.tolist(),
                               "attention_mask": torch.ones_like(calib).tolist()})

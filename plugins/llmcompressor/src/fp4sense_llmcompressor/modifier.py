@@ -37,6 +37,7 @@ from fp4sense.diagnosis.units import model_fingerprint
 from fp4sense.inputs.moe import stored_expert_names
 from fp4sense.numerics.schemes import get_scheme
 from fp4sense.planning.milp import DEFAULT_MENU, Plan, PlanError, solve
+from fp4sense_llmcompressor.storage import FLOAT_DTYPES, store_in
 
 __all__ = ["SensitivityGuidedModifier"]
 
@@ -58,6 +59,10 @@ class SensitivityGuidedModifier(QuantizationModifier):
     :param plan: path of a saved plan.json to apply as it is (no budget, no report, no
         solving); its modules must be the model's, with the shapes it recorded.
     :param plan_path: where to write the solved plan.json (optional).
+    :param stored_dtype: the dtype the checkpoint stores unquantized tensors (and scales
+        that follow the weight's dtype) in, whatever dtype the model calibrated in (see
+        :mod:`fp4sense_llmcompressor.storage`); default: a saved plan's
+        ``calibration.stored_dtype``, else the model's own (llm-compressor's behaviour).
     """
 
     budget_bits: float | None = None
@@ -70,6 +75,7 @@ class SensitivityGuidedModifier(QuantizationModifier):
     pins: dict[str, str] = {}
     plan: str | None = None
     plan_path: str | None = None
+    stored_dtype: str | None = None
     # the plan decides the schemes; NVFP4 inputs and the estimate need calibration data
     requires_calibration_data: bool = True
 
@@ -85,6 +91,7 @@ class SensitivityGuidedModifier(QuantizationModifier):
         if self.plan:
             self._plan = _saved_plan(self.plan, state.model, self)
             outside = _outside(state.model, self._plan)
+            _check_calibration_dtype(self.plan, self._plan, state.model)
         else:
             report = self._sensitivity(state)
             self._plan = solve(report, budget_bits=self.budget_bits,
@@ -101,6 +108,17 @@ class SensitivityGuidedModifier(QuantizationModifier):
         self.ignore = sorted(set(self.ignore) | set(outside))
         self._resolved_config = None  # resolved once at construction, before the plan
         return super().on_initialize(state, **kwargs)
+
+    def on_finalize(self, state: State, **kwargs) -> bool:
+        """Finish as llm-compressor does, then store in the base's dtype what the
+        checkpoint keeps unquantized (a later QAD trains in float32 and puts each tensor
+        back in its own dtype)."""
+        done = super().on_finalize(state, **kwargs)
+        stored = self.stored_dtype or (self._plan.calibration.get("stored_dtype")
+                                       if self._plan is not None else None)
+        if stored:
+            store_in(state.model, stored)
+        return done
 
     def _sensitivity(self, state: State) -> SensitivityReport:
         model = state.model
@@ -136,6 +154,21 @@ def _saved_plan(path: str, model: torch.nn.Module, fields: SensitivityGuidedModi
                             f"{choice.unit} holds {choice.numel:,} weights there and "
                             f"{held:,} here; plan this model")
     return plan
+
+
+def _check_calibration_dtype(path: str, plan: Plan, model: torch.nn.Module) -> None:
+    """A plan calibrated in one dtype applied to a model loaded in another reproduces
+    its checkpoint only approximately: say so, and how to load the model."""
+    from loguru import logger
+
+    wanted = plan.calibration.get("dtype")
+    have = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if wanted in FLOAT_DTYPES and have is not None and FLOAT_DTYPES[wanted] != have:
+        logger.warning(f"{path} was calibrated in {wanted} and this model is loaded in "
+                       f"{str(have).removeprefix('torch.')}: the checkpoint will differ "
+                       f"slightly from the original; load the model with "
+                       f"dtype=torch.{wanted} (or oneshot(..., precision=\"{wanted}\")) "
+                       "to reproduce it")
 
 
 def _outside(model: torch.nn.Module, plan: Plan) -> list[str]:
