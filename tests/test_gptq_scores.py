@@ -40,8 +40,10 @@ def test_estimate_reads_the_given_weights_instead_of_rounding_to_nearest(tiny, t
     weight = {m: model.get_submodule(m).weight.data for u in units.units for m in u.modules}
     rtn = {}
     for u in units.units:
+        # in the model's compute dtype, as the estimate quantizes
         rtn.update(zip(u.modules, quantize_unit("NVFP4A16", u, [weight[m] for m in u.modules],
-                                                out_dtype=torch.bfloat16), strict=True))
+                                                out_dtype=torch.bfloat16,
+                                                dtype=weight[u.modules[0]].dtype), strict=True))
     save_file(rtn, tmp_path / "rtn.safetensors")
     save_file({m: w.to(torch.bfloat16) for m, w in weight.items()}, tmp_path / "same.safetensors")
 

@@ -180,8 +180,11 @@ def test_analysis_scores_search_schemes_with_input_importance(tiny_llama):
     unit = next(u for u in units.units if name in u.modules)
     w = run.original[name]
     searched = run.quantized(unit, "NVFP4A16_SEARCH")[unit.modules.index(name)]
-    assert torch.equal(searched, quantize_weights("NVFP4A16_SEARCH", [w],
-                                                  importance=[expected])[0])
+    # quantized in the dtype the model computes in (the one the oneshot calibrates in),
+    # kept in bf16 as transformers and vLLM dequantize them
+    assert torch.equal(searched, quantize_weights(
+        "NVFP4A16_SEARCH", [w], dtype=w.dtype, importance=[expected],
+        out_dtype=torch.bfloat16)[0].to(w.dtype))
     scores = run.estimate(["NVFP4A16", "NVFP4A16_SEARCH"], streamed=False)
     plain = sum(sum(v) for (m, s), v in scores.items() if s == "NVFP4A16")
     search = sum(sum(v) for (m, s), v in scores.items() if s == "NVFP4A16_SEARCH")

@@ -65,8 +65,8 @@ def _add_placement(p: argparse.ArgumentParser) -> None:
                    help="auto, cpu, cuda or cuda:N (default cpu; auto: this rank's GPU when "
                    "there is one)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="compute dtype (default: float32 on the CPU, as the protocol; "
-                   "bfloat16 on a GPU)")
+                   help="compute dtype, for quantize also the oneshot's calibration "
+                   "(default: float32 on the CPU, as the protocol; bfloat16 on a GPU)")
 
 
 def _add_json(p: argparse.ArgumentParser, what: str = "print the result as JSON") -> None:

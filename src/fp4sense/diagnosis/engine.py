@@ -3,9 +3,8 @@ perturbation (measured), and one forward + backward per window scoring every lin
 (estimated). Views decide what to perturb (:mod:`fp4sense.diagnosis.views`).
 
 A measured run walks the blocks, not the windows: from its first perturbed block on,
-each block runs every window (with the arguments the base pass recorded for it) before
-the next one starts, so an offloaded block is read once per run and its quantized
-weights computed once per run, whatever the number of windows."""
+each block runs every window (with the base pass's arguments) before the next starts, so
+an offloaded block is read, and its weights quantized, once per run."""
 
 from __future__ import annotations
 
@@ -28,6 +27,7 @@ from fp4sense.diagnosis.offload import BlockStore, Originals
 from fp4sense.diagnosis.stats import mean_se
 from fp4sense.diagnosis.units import Unit, UnitMap, quantize_unit
 from fp4sense.evaluation.metrics import window_metrics
+from fp4sense.inputs.models import quantization_dtypes
 from fp4sense.numerics.fakequant import activation_quantizer
 from fp4sense.runtime.memory import mapped_allocations
 
@@ -79,24 +79,19 @@ class Analysis:
             self.store = BlockStore(model, units.blocks_path, offload_dir, self.device)
             self.original = Originals(self.modules, self.store)
             model.to(self.device)  # the blocks are empty now: the rest moves
-        # the weights are quantized in the model's compute dtype, the dtype the host's
-        # oneshot calibrates in; FP8 / INT scales rounded to the files' dtype, as stored
-        self.weight_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        self.stored_dtype = getattr(model, "fp4sense_stored_dtype", self.weight_dtype)
+        self.weight_dtype, self.stored_dtype = quantization_dtypes(model)
         self.qweights: OrderedDict[tuple, list] = OrderedDict()  # (unit, scheme[, index])
         self.qweight_bytes = 0
         self.qweight_limit = WEIGHT_CACHE_BYTES
         self.quant_out: tuple[str, list[list], dict] | None = None
 
     def quantized(self, unit: Unit, scheme: str) -> list[torch.Tensor]:
-        """The unit's fake-quantized weights, in the model's dtype (the last used kept, in
-        bf16, ``qweight_limit`` bytes in all)."""
+        """The unit's fake-quantized weights, in the model's dtype (last used kept)."""
         return [w.to(self.original[m].dtype)
                 for w, m in zip(self._kept(unit, scheme), unit.modules, strict=True)]
 
     def _quantized_one(self, unit: Unit, scheme: str, index: int) -> torch.Tensor:
-        """One of the unit's fake-quantized weights (only that one quantized unless the
-        whole unit's are kept; in the model's dtype)."""
+        """One of the unit's fake-quantized weights, alone unless the unit's are kept."""
         whole = (unit, scheme) in self.qweights
         return self._kept(unit, scheme, None if whole else index)[index].to(
             self.original[unit.modules[index]].dtype)
@@ -114,13 +109,12 @@ class Analysis:
             imps = [self.importance.get(m) for m in unit.modules]
             # streamed: the temporaries leave memory when freed (a block's worth at a time)
             with mapped_allocations() if self.store is not None else nullcontext():
-                # quantized in the dtype the model computes in (the host calibrates in
-                # it) and kept in bf16, what transformers and vLLM dequantize them to
+                # kept in bf16, what transformers and vLLM dequantize them to
                 ws = quantize_unit(scheme, unit, [self.original[m] if only is None or i in group
                                                   else None for i, m in enumerate(unit.modules)],
                                    importance=imps if any(i is not None for i in imps) else None,
-                                   out_dtype=torch.bfloat16, only=only,
-                                   dtype=self.weight_dtype, scale_dtype=self.stored_dtype)
+                                   out_dtype=torch.bfloat16, only=only, dtype=self.weight_dtype,
+                                   scale_dtype=self.stored_dtype)
         size = _nbytes(ws)
         if size <= self.qweight_limit:  # the least recently used make room
             while self.qweights and self.qweight_bytes + size > self.qweight_limit:

@@ -44,6 +44,7 @@ from fp4sense.diagnosis.footprint import check_cache_memory, weight_cache_bytes
 from fp4sense.diagnosis.results import Entry, SensitivityReport
 from fp4sense.diagnosis.stats import correlations, mean_se
 from fp4sense.diagnosis.units import Unit, UnitMap, find_units, model_fingerprint, model_name
+from fp4sense.inputs.models import quantization_dtypes
 from fp4sense.numerics.schemes import get_scheme
 from fp4sense.runtime import distributed
 
@@ -224,9 +225,8 @@ def analyze(
                              f"{units.n_blocks - 1})")
     fingerprint = model_fingerprint(model)
     # the weights are quantized in the compute dtype: a bf16 run's scores are not float32's
-    compute = next(p.dtype for p in model.parameters() if p.is_floating_point())
     key = cache_key(fingerprint, windows, rounded.identity if rounded is not None else "",
-                    compute_dtype=str(compute).removeprefix("torch."))
+                    compute_dtype=str(quantization_dtypes(model)[0]).removeprefix("torch."))
     if rounded is not None:
         text = {**(text or {}), "quantized_weights": rounded.source}
     cache = EntryCache(Path(cache_dir) / f"{key}.jsonl" if cache_dir else None)

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["BUNDLED_MODEL_NOTE", "DEFAULT_ANALYSIS_WINDOWS", "STORED_DTYPES", "analysis_windows",
-           "load_model", "stored_dtype"]
+           "load_model", "quantization_dtypes", "stored_dtype"]
 
 #: Printed beside every figure measured on the bundled model (protocol.md).
 BUNDLED_MODEL_NOTE = ("The bundled SmolLM2-135M-Instruct weights were Q4_1-quantized (GGUF) "
@@ -106,6 +106,15 @@ def stored_dtype(source: str | os.PathLike) -> torch.dtype:
         raise InputError(f"model {str(source)!r} stores its weights in {name}; fp4sense "
                          f"quantizes models stored in {', '.join(STORED_DTYPES)}")
     return STORED_DTYPES[name]
+
+
+def quantization_dtypes(model: torch.nn.Module) -> tuple[torch.dtype, torch.dtype]:
+    """(the dtype ``model``'s weights are quantized in, the dtype FP8 / INT scales are
+    stored in): its compute dtype, the one the host's oneshot calibrates in; and its
+    files' dtype (:func:`stored_dtype`, as :func:`load_model` recorded it; the compute
+    dtype for a model built in memory)."""
+    compute = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    return compute, getattr(model, "fp4sense_stored_dtype", compute)
 
 
 def _weight_files(source) -> dict[str, Path]:

@@ -91,8 +91,9 @@ def quantize_model(
     CPU when there is none) and the estimate quantizes the weights in it, so the
     estimate scores the bits the checkpoint stores; the checkpoint keeps what it does not
     quantize in the base's own dtype (plan.json's ``calibration`` records both, and
-    recipe.yaml's header says how to rerun it alike). ``low_memory`` streams the estimate one decoder
-    block at a time from the model's own files (:func:`fp4sense.inputs.models.load_model`).
+    recipe.yaml's header says how to rerun it alike). ``low_memory`` streams the estimate
+    one decoder block at a time from the model's own files
+    (:func:`fp4sense.inputs.models.load_model`).
 
     Under torchrun the ranks share the estimate's windows and rank 0 plans; then the
     ranks disband and rank 0 alone runs the oneshot, evaluates and publishes (the others

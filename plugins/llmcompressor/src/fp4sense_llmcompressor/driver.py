@@ -109,11 +109,11 @@ def calibrated_model(source: str, calib: torch.Tensor, recipe: list,
     (not saved), loaded from its files in ``dtype`` (a name or a torch dtype; default
     bfloat16, as llm-compressor loads models): the weights are quantized, and the scales
     computed, in that dtype."""
-    from fp4sense_llmcompressor.storage import FLOAT_DTYPES
-
     from datasets import Dataset
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fp4sense_llmcompressor.storage import FLOAT_DTYPES
 
     if isinstance(dtype, str):
         dtype = FLOAT_DTYPES[dtype]
