@@ -1,13 +1,19 @@
 """Benchmark: `fp4sense quantize` calibrating in float32 against bfloat16, in one run.
 
 On the bundled SmolLM2 per protocol.md, the default menu {NVFP4, FP8_DYNAMIC, BF16} at
-5.0 bits: one `quantize --dtype float32` (the CPU default: estimate, oneshot and
-evaluation in float32), then `quantize --dtype bfloat16` applying the same sensitivity
-report (so both apply the same plan and differ only in the dtype the oneshot calibrates
-in). Each runs in a process of its own, which reports its wall time, the oneshot's share
-and its peak resident memory (VmHWM); both checkpoints are then evaluated from disk per
-protocol (float32, the first 16 evaluation windows) and can be verified in vLLM
-(``--verify``).
+5.0 bits, three runs, each in a process of its own that reports its wall time, the
+oneshot's share and its peak resident memory (VmHWM):
+
+- ``float32``: `quantize` as a user runs it on a CPU (estimate, oneshot in float32);
+- ``float32-given``: the same with that run's sensitivity report given (no estimate):
+  its checkpoint must be the first one's, byte for byte;
+- ``bfloat16``: that report given, the oneshot in bfloat16: the same plan, so the two
+  given-report runs differ only in the dtype the oneshot calibrates in.
+
+The ``float32`` and ``bfloat16`` checkpoints are evaluated from disk per protocol
+(float32, the first 16 evaluation windows) and verified in vLLM (``--verify``). The
+result names whether this CPU has native bfloat16 (AVX512-BF16 / AMX): the time ratio
+depends on it.
 
     .venv/bin/python bench/calibration_dtype.py [--verify]
 
@@ -23,6 +29,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BUDGET = 5.0
@@ -61,38 +69,52 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     rows = []
-    for dtype in ("float32", "bfloat16"):
-        cmd = [sys.executable, __file__, "--one", dtype, "--work", str(args.work)]
-        if dtype != "float32":  # the same plan: the float32 run's report
-            cmd += ["--sensitivity", str(args.work / "float32" / "sensitivity.json")]
+    report = str(args.work / "float32" / "sensitivity.json")
+    for label, dtype, given in (("float32", "float32", None),
+                                ("float32-given", "float32", report),
+                                ("bfloat16", "bfloat16", report)):
+        cmd = [sys.executable, __file__, "--one", dtype, "--work", str(args.work / label)]
+        if given:
+            cmd += ["--sensitivity", given]
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
-        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        rows.append({"run": label, **json.loads(proc.stdout.strip().splitlines()[-1])})
         print(rows[-1], flush=True)
+    folders = {r["run"]: args.work / r["run"] / r["dtype"] for r in rows}
 
     from fp4sense.evaluation.evaluate import evaluate_checkpoint
+    from fp4sense.runtime.devices import cpu_has_native_bf16
 
-    for row in rows:
-        e = evaluate_checkpoint(args.work / row["dtype"], base=None, n_windows=16,
+    same_bytes = ((folders["float32"] / "model.safetensors").read_bytes()
+                  == (folders["float32-given"] / "model.safetensors").read_bytes())
+    judged = [r for r in rows if r["run"] != "float32-given"]
+    for row in judged:
+        e = evaluate_checkpoint(folders[row["run"]], base=None, n_windows=16,
                                 progress=False, log=lambda m: None)
         row.update({k: e[k] for k in ("effective_bits", "kl", "kl_se", "ppl", "top1")})
-    plan = [json.loads((args.work / r["dtype"] / "plan.json").read_text())["choices"]
-            for r in rows]
+    plans = [json.loads((folders[r["run"]] / "plan.json").read_text())["choices"]
+             for r in rows]
+    f32, given, bf16 = rows
     result = {"command": "python bench/calibration_dtype.py" + (" --verify" if args.verify
                                                                 else ""),
-              "budget_bits": BUDGET, "rows": rows, "same_plan": plan[0] == plan[1],
-              "oneshot_bf16_over_f32": round(rows[1]["timings"]["oneshot_s"]
-                                             / rows[0]["timings"]["oneshot_s"], 2),
-              "kl_difference": rows[1]["kl"] - rows[0]["kl"],
-              "kl_difference_within_se": abs(rows[1]["kl"] - rows[0]["kl"])
-              <= max(rows[0]["kl_se"], rows[1]["kl_se"])}
+              "cpu_native_bf16": cpu_has_native_bf16(), "threads": torch.get_num_threads(),
+              "budget_bits": BUDGET, "rows": rows,
+              "same_plan": all(p == plans[0] for p in plans),
+              "float32_given_report_same_checkpoint_bytes": same_bytes,
+              "oneshot_bf16_over_f32": round(bf16["timings"]["oneshot_s"]
+                                             / given["timings"]["oneshot_s"], 2),
+              "peak_rss_bf16_over_f32": round(bf16["peak_rss_gib"] / given["peak_rss_gib"], 2),
+              "kl_difference": bf16["kl"] - f32["kl"],
+              "kl_difference_within_se": abs(bf16["kl"] - f32["kl"])
+              <= max(f32["kl_se"], bf16["kl_se"])}
     if args.verify:
         exe = str(Path(sys.executable).parent / "fp4sense")
         proc = subprocess.run([exe, "verify-vllm", "--json",
-                               *[str(args.work / r["dtype"]) for r in rows]],
+                               *[str(folders[r["run"]]) for r in judged]],
                               capture_output=True, text=True)
         found = json.loads(proc.stdout) if proc.stdout.strip() else []
-        result["verify_vllm"] = {Path(r["checkpoint"]).name: "PASS" if r["passed"] else "FAIL"
-                                 for r in found} or proc.stderr[-400:]
+        result["verify_vllm"] = {r["run"]: "PASS" if v["passed"] else "FAIL"
+                                 for r, v in zip(judged, found, strict=False)
+                                 } or proc.stderr[-400:]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "calibration_dtype.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

@@ -46,6 +46,11 @@ MOE_FAMILIES: dict[str, tuple[str, str, dict, str]] = {
                 "routed experts stored as w1/w2/w3"),
 }
 
+#: families whose real tokenizers start every sequence with BOS (Llama 3's
+#: <|begin_of_text|>, Mistral's and Mixtral's <s>, Gemma's <bos>); Qwen's and Phi-3's add
+#: none. The copied tokenizer is configured alike, so windows start as they do when served.
+BOS_FAMILIES = {"llama", "mistral", "gemma2", "gemma3", "mixtral"}
+
 COMMON = {"vocab_size": 49152, "hidden_size": 128, "intermediate_size": 256,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
           "head_dim": 32, "max_position_embeddings": 1024,
@@ -56,7 +61,8 @@ COMMON = {"vocab_size": 49152, "hidden_size": 128, "intermediate_size": 256,
 
 def make_family_model(family: str, path: Path, tokenizer_from: Path | None = None,
                       seed: int = 0) -> Path:
-    """Save a 2-block random ``family`` model (bf16) at ``path``; copy a tokenizer in."""
+    """Save a 2-block random ``family`` model (bf16) at ``path``; copy a tokenizer in,
+    adding BOS to sequences as the family's real tokenizer does (:data:`BOS_FAMILIES`)."""
     import transformers
 
     model_cls, config_cls, overrides, _ = {**FAMILIES, **MOE_FAMILIES}[family]
@@ -65,5 +71,7 @@ def make_family_model(family: str, path: Path, tokenizer_from: Path | None = Non
     model = getattr(transformers, model_cls)(config).to(torch.bfloat16)
     model.save_pretrained(path)
     if tokenizer_from is not None:
-        transformers.AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(path)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_from)
+        tokenizer.add_bos_token = family in BOS_FAMILIES
+        tokenizer.save_pretrained(path)
     return path

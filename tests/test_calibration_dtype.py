@@ -14,7 +14,7 @@ import torch
 from conftest import FP4SENSE, SMALL
 from families import make_family_model
 
-FP32 = {"dtype": "float32", "stored_dtype": "bfloat16"}
+FP32 = {"dtype": "float32", "stored_dtype": "bfloat16", "window_prefix": []}
 #: quantization parameters a format keeps in float32 whatever the model's dtype
 FIXED_FLOAT32 = ("weight_global_scale", "input_global_scale")
 

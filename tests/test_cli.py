@@ -55,7 +55,7 @@ def test_help_lists_every_command_and_the_exit_codes():
     proc = run("--help")
     for name in COMMANDS:
         assert name in proc.stdout
-    for code in ("0 ", "1 ", "2 ", "3 ", "4 ", "5 ", "130 "):
+    for code in ("0 ", "1 ", "2 ", "3 ", "4 ", "5 ", "130 ", "143 "):
         assert f"\n  {code}" in proc.stdout
 
 

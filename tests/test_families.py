@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FP4SENSE, SMALL
-from families import FAMILIES, make_family_model
+from families import BOS_FAMILIES, FAMILIES, make_family_model
 
 _CHECKPOINTS: dict[str, tuple[Path, dict]] = {}
 
@@ -63,8 +63,15 @@ def test_quantize_and_eval(family_checkpoint, text_file):
                                                              rel=1e-9)
     assert result["eval"]["effective_bits"] <= 5.0
     # calibrated in the CPU's float32; the unquantized tensors stored as the base stores them
+    # ... and on windows that start with BOS where the family's tokenizer adds one
+    from transformers import AutoTokenizer
+
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["calibration"] == {"dtype": "float32", "stored_dtype": "bfloat16"}
+    bos = AutoTokenizer.from_pretrained(out).bos_token_id
+    family = out.name.removeprefix("tiny-").removesuffix("-fp4")
+    assert plan["calibration"] == {"dtype": "float32", "stored_dtype": "bfloat16",
+                                   "window_prefix": [bos] if family in BOS_FAMILIES else []}
+    assert result["eval"]["window_prefix"] == plan["calibration"]["window_prefix"]
     from safetensors import safe_open
 
     with safe_open(str(out / "model.safetensors"), "pt") as f:

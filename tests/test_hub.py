@@ -235,10 +235,11 @@ def test_checkpoint_files_record_no_paths_of_this_machine(quantized, tiny_llama,
     assert plan["model"] == report["model"] == "tiny-llama"
     assert plan["model_fingerprint"] == report["model_fingerprint"]
     assert report["text"]["source"] == "text.txt" and report["text"]["cache_key"]
-    # this machine keeps the paths in a hidden file that no upload sends
-    assert json.loads((quantized / ".fp4sense-local.json").read_text())["base"] == \
-        str(tiny_llama.resolve())
-    assert ".fp4sense-local.json" not in uploaded
+    # this machine keeps the paths outside the folder (the fp4sense cache): no hidden file
+    from fp4sense.publishing.lineage import local_record
+
+    assert local_record(quantized)["base"] == str(tiny_llama.resolve())
+    assert not [p for p in quantized.rglob(".*")], "a hidden file would travel with hf upload"
 
 
 @pytest.mark.slow

@@ -39,6 +39,7 @@ def analyze_model(
     modes: Sequence[str] = ("measured",),
     n_windows: int = DEFAULT_ANALYSIS_WINDOWS,
     window_tokens: int = 512,
+    raw_windows: bool = False,
     grid_blocks: Iterable[int] | None = None,
     out_dir: str | os.PathLike | None = None,
     cache: bool | str | os.PathLike = True,
@@ -59,8 +60,11 @@ def analyze_model(
     work through torch.distributed, and rank 0 writes ``out_dir``. ``low_memory`` holds
     one decoder block's weights at a time, read from the model's own safetensors files
     (``offload_dir`` does the same from copies, for models whose files cannot be read
-    so)."""
+    so). ``raw_windows``: windows of text tokens only, without the tokens the tokenizer
+    starts a sequence with (:func:`fp4sense.inputs.texts.make_windows`)."""
     from fp4sense.diagnosis import analyze, check_request
+    from fp4sense.evaluation.metrics import implausible
+    from fp4sense.inputs.texts import sequence_prefix
     from fp4sense.reports.analysis import write_analysis
     from fp4sense.runtime import distributed
     from fp4sense.runtime.devices import resolve
@@ -81,13 +85,17 @@ def analyze_model(
     hf_model, tokenizer, notes = load_model(
         model, placement.dtype, "cpu" if offload_dir is not None else placement.device,
         low_memory=low_memory)
-    windows = analysis_windows(tokenizer, text, n_windows, window_tokens)
+    windows = analysis_windows(tokenizer, text, n_windows, window_tokens, raw_windows)
     report = analyze(
         hf_model, windows, schemes=schemes, views=views, modes=modes, grid_blocks=grid_blocks,
         cache_dir=cache_folder,
-        text={"source": text_name(text)},
+        text={"source": text_name(text),
+              "window_prefix": [] if raw_windows else sequence_prefix(tokenizer)},
         progress=progress, log=log, offload_dir=offload_dir, device=placement.device,
     )
+    warning = implausible(report.base_ppl, hf_model.config.get_text_config().vocab_size)
+    if warning:
+        log(warning)
     if out_dir is not None and distributed.is_main():
         paths = write_analysis(report, Path(out_dir), notes=notes, plots=plots)
         for key, path in paths.items():

@@ -16,23 +16,33 @@ import socket
 from pathlib import Path
 
 __all__ = ["InputError", "block_list", "check_output_folder", "check_writable", "device_name",
-           "non_empty", "positive_float", "positive_int", "non_negative_float",
-           "remove_dead_partials", "write_owner"]
+           "non_empty", "non_negative_int", "positive_float", "positive_int", "non_negative_float",
+           "claim_output", "publish_folder", "remove_dead_partials", "write_owner"]
 
 
 class InputError(ValueError):
     """A flag, path or file the user gave cannot be used (the message names it)."""
 
 
-def positive_int(value: str) -> int:
-    """argparse type: an integer >= 1."""
+def _whole(value: str, least: int) -> int:
     try:
         n = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: must be at least 1")
+    if n < least:
+        raise argparse.ArgumentTypeError(f"{value!r}: " + ("must not be negative" if least == 0
+                                                           else f"must be at least {least}"))
     return n
+
+
+def positive_int(value: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _whole(value, 1)
+
+
+def non_negative_int(value: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _whole(value, 0)
 
 
 def _finite(value: str) -> float:
@@ -125,6 +135,7 @@ def check_quantize_output(model, out, *, overwrite: bool) -> None:
     from fp4sense.inputs.assets import default_model_path
 
     base = default_model_path() if model is None else Path(model)
+    claim_output(Path(out))  # before the folder is judged: no run can publish in between
     check_output_folder(Path(out), overwrite=overwrite,
                         protected=[base] if base.exists() else [])
 
@@ -138,8 +149,13 @@ def check_analysis_output(out_dir, cache) -> Path | None:
     cache_folder = (cache_dir() / "analysis" if cache is True else Path(cache) if cache
                     else None)
     if out_dir is not None:  # nothing is computed when the results cannot be written
+        claim_output(Path(out_dir))
         if Path(out_dir).exists() and not Path(out_dir).is_dir():
             raise InputError(f"--out {out_dir} is an existing file; choose a folder name")
+        held = [n for n in ("plan.json", "recipe.yaml") if (Path(out_dir) / n).is_file()]
+        if held:
+            raise InputError(f"--out {out_dir} holds a checkpoint ({held[0]}): the analysis "
+                             "would replace its sensitivity.json; choose another --out")
         check_writable(Path(out_dir), "--out", "choose a folder you can write to")
     if cache_folder is not None:
         check_writable(cache_folder, "the analysis cache", "pass --no-cache, or point "
@@ -148,6 +164,63 @@ def check_analysis_output(out_dir, cache) -> Path | None:
 
 
 _OWNER = ".fp4sense-owner"
+#: output folder (resolved) -> the open lock file this process holds for it
+_CLAIMED: dict[str, int] = {}
+
+
+def claim_output(out: Path) -> None:
+    """Make this process the one writer of ``out`` until it exits: an exclusive lock on
+    a file named after the folder's resolved path, in the fp4sense cache (beside ``out``
+    when the cache cannot be written), never inside the folder. A second run to the same
+    ``--out`` stops at once in one line naming the running one. Under torchrun only the
+    launch's rank 0 (the one that writes) claims it."""
+    import fcntl
+    import hashlib
+    import time
+
+    from fp4sense.inputs.assets import cache_dir
+
+    target = str(Path(out).resolve())
+    if target in _CLAIMED or os.environ.get("RANK", "0") != "0":
+        return
+    places = (cache_dir() / "locks" / f"{hashlib.sha256(target.encode()).hexdigest()[:32]}.lock",
+              Path(target).parent / f".{Path(target).name}.fp4sense-lock")
+    for place in places:
+        try:
+            place.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(place, os.O_RDWR | os.O_CREAT, 0o644)
+            break
+        except OSError:
+            continue
+    else:
+        return  # nowhere to lock: the folder checks that follow name the unwritable path
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise InputError(f"--out {out} is being written by another fp4sense run ({holder}); "
+                         "wait for it to finish, or choose another --out") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
+                  f"{time.strftime('%H:%M:%S')}".encode(), 0)
+    _CLAIMED[target] = fd  # released when this process exits, however it exits
+
+
+def publish_folder(work: Path, out: Path) -> None:
+    """Replace ``out`` by the finished ``work`` folder in one rename (an earlier ``out``,
+    with ``--overwrite``, is moved aside first and removed after); the owner mark goes
+    first, so the published folder holds only the checkpoint's files."""
+    import tempfile
+
+    (Path(work) / _OWNER).unlink(missing_ok=True)
+    if out.exists():
+        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        out.rename(trash / out.name)
+        work.rename(out)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        work.rename(out)
 
 
 def write_owner(work: Path) -> None:

@@ -13,6 +13,7 @@ from fp4sense.validate import (
     device_name,
     non_empty,
     non_negative_float,
+    non_negative_int,
     positive_float,
     positive_int,
 )
@@ -58,6 +59,9 @@ def _add_windows(p: argparse.ArgumentParser, default: int, what: str) -> None:
                    help=f"{what} (default {default})")
     p.add_argument("--tokens", type=positive_int, default=512,
                    help="tokens per window (default 512)")
+    p.add_argument("--raw-windows", action="store_true",
+                   help="windows of text tokens only: without the BOS (or prefix) the "
+                   "tokenizer starts a sequence with, which windows otherwise begin with")
 
 
 def _add_placement(p: argparse.ArgumentParser) -> None:
@@ -148,7 +152,7 @@ def quantize_args(p: argparse.ArgumentParser) -> None:
                    help="end-to-end: the KL of the whole model (default); block: each "
                         "decoder block in turn matches its unquantized output, STEPS steps "
                         "per block, each step one block's forward and backward")
-    p.add_argument("--distill-holdout", type=int, default=4, metavar="N",
+    p.add_argument("--distill-holdout", type=non_negative_int, default=4, metavar="N",
                    help="further calibration windows, not trained on, that choose the "
                         "state the distillation ends on (0: none)")
     p.add_argument("--no-scale-search", action="store_true",

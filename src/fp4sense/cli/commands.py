@@ -1,7 +1,5 @@
-"""The ``fp4sense`` command line (and the commands other front doors reuse).
-
-Exit codes: see ``EXIT_CODES_HELP``.
-"""
+"""The ``fp4sense`` command line (and the commands other front doors reuse); exit codes:
+see ``EXIT_CODES_HELP``."""
 
 from __future__ import annotations
 
@@ -23,8 +21,8 @@ from fp4sense.cli.arguments import (
     text_source,
     verify_vllm_args,
 )
+from fp4sense.cli.streams import Terminated, settle_interrupt, sigterm_as_interrupt
 from fp4sense.cli.streams import emit_json as _emit_json
-from fp4sense.cli.streams import settle_interrupt
 from fp4sense.cli.streams import stdout_for_json as _stdout_for_json
 
 EXIT_OK = 0
@@ -33,6 +31,7 @@ EXIT_ASSET_ERROR = 3
 EXIT_VERIFY_FAILED = 4
 EXIT_HUB_ERROR = 5
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 EXIT_CODES_HELP = """exit codes:
   0    success
   1    bad input (a file, model, scheme, budget, folder or device) or a stopped rank, in one line
@@ -41,6 +40,7 @@ EXIT_CODES_HELP = """exit codes:
   4    verify-vllm: vLLM and transformers disagree beyond the tolerance
   5    push: no token, the Hub not reachable, or the upload refused
   130  interrupted (Ctrl-C); no partial output folder is left
+  143  terminated (SIGTERM: a scheduler, docker stop, timeout); as 130
 """
 
 
@@ -67,17 +67,10 @@ def _cmd_convert_gguf(args: argparse.Namespace) -> int:
 def _cmd_schemes(args: argparse.Namespace) -> int:
     from fp4sense.numerics.schemes import MENU, bits_per_weight
 
-    rows = [
-        {
-            "name": s.name,
-            "weights": s.weight_format or "bf16",
-            "activations": s.activations or "16-bit",
-            "block": s.block_size,
-            "bits_per_weight_576x1536": round(bits_per_weight(s, (576, 1536)), 5),
-            "description": s.description,
-        }
-        for s in MENU.values()
-    ]
+    rows = [{"name": s.name, "weights": s.weight_format or "bf16",
+             "activations": s.activations or "16-bit", "block": s.block_size,
+             "bits_per_weight_576x1536": round(bits_per_weight(s, (576, 1536)), 5),
+             "description": s.description} for s in MENU.values()]
     if args.json:
         _emit_json(rows)
         return EXIT_OK
@@ -99,7 +92,7 @@ def _cmd_verify_vllm(args: argparse.Namespace) -> int:
     for folder in args.checkpoint:
         check_checkpoint(folder)  # before the tokenizer: a missing folder is one line
         w = protocol_windows(checkpoint_tokenizer(folder), "evaluation", args.windows,
-                             source=text_source(args))
+                             source=text_source(args), raw=args.raw_windows)
         windows.append(w[:, : args.tokens])
     limits = (args.max_abs, args.mean_abs, args.ppl_rel)
     tolerance = None if all(v is None for v in limits) else Tolerance(
@@ -142,7 +135,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     report = analyze_model(
         args.model, text=text_source(args), schemes=_csv(args.schemes), views=_csv(args.views),
         modes=modes, n_windows=args.windows, window_tokens=args.tokens,
-        grid_blocks=args.grid_blocks,
+        raw_windows=args.raw_windows, grid_blocks=args.grid_blocks,
         out_dir=args.out, cache=not args.no_cache, plots=not args.no_plots,
         offload_dir=args.offload_dir, low_memory=args.low_memory, device=args.device,
         dtype=args.dtype,
@@ -189,8 +182,9 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         gptq_scores=args.gptq_scores, scale_search=not args.no_scale_search,
         distill=_distill_settings(args), text=text_source(args),
         calib_windows=args.calib_windows, estimate_windows=args.windows,
-        window_tokens=args.tokens, evaluate=not args.no_eval, eval_windows=args.eval_windows,
-        overwrite=args.overwrite, base_model_id=args.base_model_id, select_plans=args.select_plans,
+        window_tokens=args.tokens, raw_windows=args.raw_windows, evaluate=not args.no_eval,
+        eval_windows=args.eval_windows, overwrite=args.overwrite,
+        base_model_id=args.base_model_id, select_plans=args.select_plans,
         device=args.device, dtype=args.dtype, low_memory=args.low_memory, progress=not args.json,
         log=(lambda msg: print(msg, file=sys.stderr)) if args.json else print,
     )
@@ -214,8 +208,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     r = evaluate_checkpoint(args.checkpoint, base=args.base, text=text_source(args),
                             n_windows=args.windows, window_tokens=args.tokens,
-                            as_served=args.as_served, device=args.device, dtype=args.dtype,
-                            progress=not args.json)
+                            raw_windows=args.raw_windows, as_served=args.as_served,
+                            device=args.device, dtype=args.dtype, progress=not args.json)
     if args.json:
         _emit_json(r)
         return EXIT_OK
@@ -319,13 +313,15 @@ def _exit_code(exc: BaseException) -> int | None:
 def run_command(action: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Run one command; map the errors users can fix to one line and an exit code."""
     try:
-        with _stdout_for_json(bool(getattr(args, "json", False))):
+        with sigterm_as_interrupt(), _stdout_for_json(bool(getattr(args, "json", False))):
             return int(action(args))
     except KeyboardInterrupt as exc:
+        term = isinstance(exc, Terminated)
         settle_interrupt(exc)
-        print("fp4sense: interrupted; finished analysis entries stay cached, no partial "
-              "output folder is left", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        print(f"fp4sense: {'terminated (SIGTERM)' if term else 'interrupted'}; finished "
+              "analysis entries stay cached, no partial output folder is left",
+              file=sys.stderr)
+        return EXIT_TERMINATED if term else EXIT_INTERRUPTED
     except Exception as exc:
         code = _exit_code(exc)
         if code is not None:

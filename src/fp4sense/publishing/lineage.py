@@ -5,7 +5,8 @@ projects, their directory layout) must not. So the base model is named by its Hu
 where it can be known for certain, else by its folder's name; a text by its file's name
 or dataset id. Identity is kept by content fingerprints (the model fingerprint, the
 analysis cache key), never by paths. The paths themselves, which ``fp4sense eval`` uses
-to find the base again on this machine, stay in a hidden file that uploads skip.
+to find the base again on this machine, stay in the fp4sense cache, keyed by the
+checkpoint's plan.json, never in the folder (``hf upload`` sends hidden files too).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 __all__ = ["LOCAL_RECORD", "hub_id_of", "is_hub_id", "local_record", "public_name",
            "text_name", "write_local_record"]
 
-#: hidden (never uploaded) record of the local paths a checkpoint was made from
+#: the in-folder record of local paths earlier versions wrote (read, never written: it
+#: would travel with ``hf upload``)
 LOCAL_RECORD = ".fp4sense-local.json"
 # the Hugging Face cache stores ORG/NAME as models--ORG--NAME/snapshots/<revision>
 _HUB_CACHE_FOLDER = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)")
@@ -92,20 +94,41 @@ def text_name(text: str | os.PathLike | None) -> str:
     return public_name(text) if text is not None else "protocol calibration split"
 
 
-def write_local_record(folder: Path, **paths: str | os.PathLike | None) -> Path:
-    """Record, in the hidden :data:`LOCAL_RECORD`, the local paths a checkpoint was made
-    from (absolute), so that this machine can find them again."""
+def _record_file(folder: Path) -> Path | None:
+    """Where this machine keeps ``folder``'s local record: the fp4sense cache, under the
+    hash of the checkpoint's plan.json (it moves with the folder, and names its base)."""
+    import hashlib
+
+    from fp4sense.inputs.assets import cache_dir
+
+    plan = Path(folder) / "plan.json"
+    if not plan.is_file():
+        return None
+    return cache_dir() / "local" / f"{hashlib.sha256(plan.read_bytes()).hexdigest()[:32]}.json"
+
+
+def write_local_record(folder: Path, **paths: str | os.PathLike | None) -> Path | None:
+    """Record the local paths a checkpoint was made from (absolute) outside it, so that
+    this machine can find them again and no upload sends them (None without plan.json)."""
     record = {k: str(Path(v).resolve()) for k, v in paths.items()
               if v is not None and Path(v).exists()}
-    path = Path(folder) / LOCAL_RECORD
-    path.write_text(json.dumps(record, indent=1))
+    path = _record_file(folder)
+    if path is None:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)
     return path
 
 
 def local_record(folder: Path) -> dict[str, str]:
-    """The local paths :func:`write_local_record` kept for ``folder`` ({} if none)."""
-    path = Path(folder) / LOCAL_RECORD
-    try:
-        return json.loads(path.read_text()) if path.is_file() else {}
-    except ValueError:
-        return {}
+    """The local paths :func:`write_local_record` kept for ``folder`` ({} if none; an
+    earlier version's hidden file in the folder is read too)."""
+    for path in (_record_file(folder), Path(folder) / LOCAL_RECORD):
+        try:
+            if path is not None and path.is_file():
+                return json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return {}

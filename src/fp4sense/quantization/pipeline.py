@@ -12,8 +12,10 @@ from pathlib import Path
 import torch
 
 from fp4sense.evaluation.evaluate import evaluate_checkpoint
+from fp4sense.evaluation.metrics import implausible
 from fp4sense.inputs.models import DEFAULT_ANALYSIS_WINDOWS, analysis_windows, load_model
 from fp4sense.inputs.moe import stored_expert_names
+from fp4sense.inputs.texts import sequence_prefix
 from fp4sense.publishing.lineage import text_name
 
 __all__ = ["quantize_model"]
@@ -40,6 +42,7 @@ def quantize_model(
     calib_windows: int = 32,
     estimate_windows: int = DEFAULT_ANALYSIS_WINDOWS,
     window_tokens: int = 512,
+    raw_windows: bool = False,
     evaluate: bool = True,
     eval_windows: int = 16,
     overwrite: bool = False,
@@ -71,9 +74,8 @@ def quantize_model(
     ``distill`` (a :class:`fp4sense.quantization.distill.DistillSettings`) trains the
     planned model to match the unquantized one under the plan's formats (QAD) inside the
     oneshot (the host's QAD modifier, in recipe.yaml too): after GPTQ, under its scales,
-    with ``gptq``; before calibration without;
-    distill.json / distill.png and ``plan.training`` record it, and an interrupted
-    training resumes from a state kept beside ``out_dir``.
+    with ``gptq``; before calibration without; distill.json / distill.png and
+    ``plan.training`` record it; an interrupted training resumes from a kept state.
 
     ``base_model_id`` names the base model's Hub id for the model card's lineage
     (``base_model``) where it cannot be derived (a local folder outside the Hugging Face
@@ -81,19 +83,15 @@ def quantize_model(
     :mod:`fp4sense.publishing.lineage`).
 
     Works in a temporary folder beside ``out_dir`` and renames it at the end, so an
-    interrupted run never leaves a checkpoint that looks complete. Without
-    ``overwrite`` a non-empty ``out_dir`` is refused before anything runs.
+    interrupted run never leaves a checkpoint that looks complete. Without ``overwrite``
+    a non-empty ``out_dir`` is refused before anything runs.
 
     ``device`` and ``dtype`` place the estimate, the oneshot and the evaluation (default:
-    float32 on a CPU, bfloat16 on a GPU; the model is loaded from its files in ``dtype``,
-    never cast after loading). The oneshot calibrates in ``dtype`` (llm-compressor's
-    sequential pipeline onloads one decoder block at a time to the first accelerator, the
-    CPU when there is none) and the estimate quantizes the weights in it, so the
-    estimate scores the bits the checkpoint stores; the checkpoint keeps what it does not
-    quantize in the base's own dtype (plan.json's ``calibration`` records both, and
-    recipe.yaml's header says how to rerun it alike). ``low_memory`` streams the estimate
-    one decoder block at a time from the model's own files
-    (:func:`fp4sense.inputs.models.load_model`).
+    float32 on a CPU, bfloat16 on a GPU; loaded from the files in ``dtype``). The oneshot
+    calibrates and the estimate quantizes in ``dtype``; what is not quantized is stored in
+    the base's dtype (plan.json's ``calibration``). ``raw_windows``: no sequence prefix
+    (BOS) in the windows. ``low_memory`` streams the estimate one decoder block at a time
+    from the model's files (:func:`fp4sense.inputs.models.load_model`).
 
     Under torchrun the ranks share the estimate's windows and rank 0 plans; then the
     ranks disband and rank 0 alone runs the oneshot, evaluates and publishes (the others
@@ -107,22 +105,22 @@ def quantize_model(
     """
     import functools
     import shutil
-    import tempfile
     import time
 
     from fp4sense.diagnosis import analyze
-    from fp4sense.numerics.schemes import get_scheme
+    from fp4sense.numerics.schemes import get_scheme, with_search_twins
+    from fp4sense.planning.milp import check_pins
     from fp4sense.publishing.lineage import hub_id_of, public_name, write_local_record
     from fp4sense.runtime import distributed
     from fp4sense.runtime.devices import resolve
-    from fp4sense.validate import check_quantize_output
+    from fp4sense.validate import check_quantize_output, publish_folder
 
     out = Path(out_dir)
     # the user's model is never the output, nor inside it, nor holding it
     check_quantize_output(model, out, overwrite=overwrite)
-    from fp4sense.numerics.schemes import with_search_twins
 
     menu = with_search_twins(menu) if scale_search else [get_scheme(s).name for s in menu]
+    check_pins(pins, menu)  # the schemes now; the units they match when the plan is solved
     placement = resolve(device, dtype, log=log)
     if base_model_id is not None:
         hub_id_of("", base_model_id)  # a malformed id fails before anything runs
@@ -131,8 +129,7 @@ def quantize_model(
     if sum(x is not None for x in (budget_bits, budget_bytes, kl_target)) != 1:
         raise ValueError("give exactly one of --budget, --budget-bytes, --kl-target")
     if gptq_scores and not gptq:
-        raise ValueError("--gptq-scores scores the units after GPTQ rounds them; it needs "
-                         "--gptq")
+        raise ValueError("--gptq-scores scores the units after GPTQ rounds them: add --gptq")
     if gptq_scores and sensitivity is not None:
         raise ValueError(f"--gptq-scores estimates the scores after GPTQ itself; "
                          f"--sensitivity {sensitivity} gives scores already: drop one")
@@ -151,9 +148,10 @@ def quantize_model(
     source = str(model) if model is not None else hf_model.config._name_or_path
     stored_expert_names(hf_model, source)  # MoE: experts under unpairable names stop here
     hub_id = hub_id_of(source, base_model_id)
-    calib = analysis_windows(tokenizer, text, calib_windows, window_tokens)
+    calib = analysis_windows(tokenizer, text, calib_windows, window_tokens, raw_windows)
     calibration = {"dtype": placement.dtype_name, "stored_dtype": str(
-        hf_model.fp4sense_stored_dtype).removeprefix("torch.")}
+        hf_model.fp4sense_stored_dtype).removeprefix("torch."),
+        "window_prefix": [] if raw_windows else sequence_prefix(tokenizer)}
     quantized = [s for s in menu if get_scheme(s).quantizes]
     rounded = None
     if gptq_scores and distributed.launch_rank() == 0:
@@ -179,9 +177,13 @@ def quantize_model(
             t = time.perf_counter()
             report = analyze(hf_model, calib[:estimate_windows], schemes=quantized,
                              views=["grid"], modes=["estimated"], cache_dir=None,
-                             text={"source": text_name(text)},
+                             text={"source": text_name(text),
+                                   "window_prefix": calibration["window_prefix"]},
                              progress=progress, log=log, rounded=rounded)
             timings["sensitivity_s"] = time.perf_counter() - t
+            if warning := implausible(report.base_ppl, hf_model.config.get_text_config()
+                                      .vocab_size):
+                log(warning)
         planned = distributed.on_main(functools.partial(
             _plan, hf_model, report, sensitivity, menu, scale_search, calib, estimate_windows,
             select_plans, dict(budget_bits=budget_bits, budget_bytes=budget_bytes,
@@ -213,6 +215,7 @@ def quantize_model(
             t = time.perf_counter()
             result["eval"] = evaluate_checkpoint(work, base=source, n_windows=eval_windows,
                                                  window_tokens=window_tokens,
+                                                 raw_windows=raw_windows,
                                                  device=str(placement.device),
                                                  dtype=placement.dtype, progress=progress,
                                                  log=log)
@@ -234,14 +237,7 @@ def quantize_model(
 
             shutil.rmtree(rounding_dir(out), ignore_errors=True)
         (work / "fp4sense-quantize.json").write_text(json.dumps(result, indent=1))
-        # publish: the finished folder replaces out_dir in one rename
-        if out.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            out.rename(trash / out.name)
-            work.rename(out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            work.rename(out)
+        publish_folder(work, out)  # the finished folder replaces out_dir in one rename
     except BaseException:
         if distributed.is_main():  # (after disband, only rank 0 is still here)
             shutil.rmtree(work, ignore_errors=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-__all__ = ["STATE_FILE", "train"]
+__all__ = ["STATE_FILE", "set_aside", "train"]
 
 STATE_FILE = "distill-state.pt"
 
@@ -61,7 +61,7 @@ def train(model, data, teacher, params, quantizer, st, state_dir: Path | None, k
     rollbacks: list[dict] = []
     best: tuple[float, int, list[torch.Tensor]] | None = None
     step = 0
-    saved = _load_state(state_dir, key, st) if state_dir else None
+    saved = _load_state(state_dir, key, st, log) if state_dir else None
     loss_before = _mean_loss(loss, data, teacher, quantizer)
     chosen: tuple[float, int, list[torch.Tensor]] | None = None  # lowest held-out KL
     held_before = _held_loss(loss, held, quantizer) if held is not None else None
@@ -178,10 +178,30 @@ def _save_state(state_dir: Path, key, st, params, opt, step, lr, hist, rollbacks
     tmp.replace(state_dir / STATE_FILE)  # a state is whole or absent
 
 
-def _load_state(state_dir: Path, key: str, st) -> dict | None:
+def _load_state(state_dir: Path, key: str, st, log=print) -> dict | None:
+    """The saved state of this very training, or None. Read with ``weights_only=True``
+    (tensors and plain containers: never code from a file someone else could have put
+    there); a file that fails to read is named, set aside and the run starts clean."""
     path = state_dir / STATE_FILE
     if not path.is_file():
         return None
-    saved = torch.load(path, weights_only=False)
+    try:
+        saved = torch.load(path, weights_only=True, map_location="cpu")
+        if not isinstance(saved, dict):
+            raise ValueError(f"holds a {type(saved).__name__}, not a state")
+    except Exception as exc:  # noqa: BLE001 - whatever the file holds, it is not used
+        aside = set_aside(path)
+        log(f"note: the saved training state {path} could not be read "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}); "
+            f"moved to {aside.name}, training starts from the beginning")
+        return None
     return saved if saved.get("key") == key and saved.get("settings") == asdict(st) else None
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged resume file to ``NAME.damaged`` (kept for inspection, never read
+    again) and return the new path."""
+    aside = path.with_name(path.name + ".damaged")
+    path.replace(aside)
+    return aside
 

@@ -113,7 +113,7 @@ def round_menu(source: str, calib: torch.Tensor, units, schemes: Sequence[str],
     files = {}
     for i, scheme in enumerate(schemes, 1):
         files[scheme] = path = folder / f"gptq-{scheme}-{key}.safetensors"
-        if path.is_file():
+        if path.is_file() and _readable(path, log):
             log(f"scores after GPTQ: {scheme} rounded by an earlier run ({i}/{len(schemes)})")
             continue
         if rounder is None:
@@ -128,6 +128,25 @@ def round_menu(source: str, calib: torch.Tensor, units, schemes: Sequence[str],
             raise RoundedWeightsError(f"the uniform {scheme} GPTQ run quantized no linear")
         os.replace(partial, path)  # whole or absent: a later run may trust it
     return files
+
+
+def _readable(path: Path, log) -> bool:
+    """Whether an earlier run's rounded weights read as a whole safetensors file; one that
+    does not (a truncated copy, another file under its name) is named and set aside."""
+    from safetensors import safe_open
+
+    from fp4sense.quantization.qad_loop import set_aside
+
+    try:
+        with safe_open(str(path), "pt", device="cpu") as handle:
+            for name in handle.keys():
+                handle.get_slice(name)
+        return True
+    except Exception as exc:  # noqa: BLE001 - safetensors' errors are not OSErrors
+        aside = set_aside(path)
+        log(f"note: {path} could not be read ({type(exc).__name__}); moved to "
+            f"{aside.name}, rounding again")
+        return False
 
 
 def rounding_dir(out: Path) -> Path:

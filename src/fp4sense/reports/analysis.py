@@ -205,6 +205,15 @@ def _entry_tables(report: SensitivityReport, view: str, heading: str, label: str
     return lines
 
 
+def _prefix(text: dict) -> str:
+    """How each window starts (the tokens the tokenizer starts a sequence with)."""
+    prefix = text.get("window_prefix")
+    if prefix is None:  # a report of an earlier fp4sense
+        return ""
+    return (f", each starting with token id(s) {prefix} as the tokenizer starts a sequence"
+            if prefix else ", text tokens only (the tokenizer adds no sequence prefix)")
+
+
 def markdown(report: SensitivityReport, plots: dict[str, str], notes: list[str]) -> str:
     """The analysis as a Markdown page (plots linked relatively)."""
     t = report.text
@@ -214,7 +223,7 @@ def markdown(report: SensitivityReport, plots: dict[str, str], notes: list[str])
         f"Model fingerprint `{report.model_fingerprint}`; {report.units.n_blocks} decoder "
         f"blocks, {len(report.units.units)} units ({len(report.units.linears())} linears); "
         f"text: {t.get('source', 'given windows')}, {t['windows']} windows × "
-        f"{t['window_tokens']} tokens; base perplexity {report.base_ppl:.3f}; "
+        f"{t['window_tokens']} tokens{_prefix(t)}; base perplexity {report.base_ppl:.3f}; "
         f"schemes {', '.join(report.schemes)}. KL is the mean per-token KL(base ‖ quantized) "
         "of next-token distributions; ± is one standard error over windows.",
         "",

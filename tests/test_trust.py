@@ -1,0 +1,204 @@
+"""Trust under attack and accident: no code runs from a file beside the output, one run
+owns an output folder, nothing private lies in the folder a user uploads, SIGTERM is a
+clean stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FP4SENSE, SMALL
+
+
+class _Payload:
+    """Unpickling this runs code: it creates the file ``marker``."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.makedirs, (self.marker,))
+
+
+def test_a_planted_training_state_runs_no_code(tmp_path):
+    """A pickle planted as QAD's resume state beside --out is never unpickled: it is named,
+    set aside, and the training starts clean; so is a truncated state."""
+    from fp4sense.quantization.distill import DistillSettings
+    from fp4sense.quantization.qad_loop import STATE_FILE, _load_state
+
+    marker = tmp_path / "payload-ran"
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    (state_dir / STATE_FILE).write_bytes(pickle.dumps({"key": "k", "x": _Payload(marker)}))
+    said = []
+    assert _load_state(state_dir, "k", DistillSettings(steps=4), said.append) is None
+    assert not marker.exists(), "the planted payload ran"
+    assert not (state_dir / STATE_FILE).exists()
+    assert (state_dir / (STATE_FILE + ".damaged")).is_file()
+    assert len(said) == 1 and STATE_FILE in said[0] and "starts from the beginning" in said[0]
+
+    # a state fp4sense wrote itself still resumes; cut short, it is set aside in one line
+    st = DistillSettings(steps=4)
+    whole = {"key": "k", "settings": __import__("dataclasses").asdict(st), "step": 3,
+             "params": [torch.ones(4)], "hist": {"step": [1]}, "best": None,
+             "opt": {"state": {}, "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.999)}]}}
+    torch.save(whole, state_dir / STATE_FILE)
+    assert _load_state(state_dir, "k", st, said.append)["step"] == 3
+    data = (state_dir / STATE_FILE).read_bytes()
+    (state_dir / STATE_FILE).write_bytes(data[: len(data) // 2])
+    assert _load_state(state_dir, "k", st, said.append) is None and len(said) == 2
+
+
+def test_a_damaged_gptq_scores_file_is_set_aside(tmp_path):
+    from safetensors.torch import save_file
+
+    from fp4sense.quantization.rounded import _readable
+
+    path = tmp_path / "gptq-NVFP4-abc.safetensors"
+    save_file({"model.layers.0.mlp.up_proj": torch.randn(64, 64)}, str(path))
+    said = []
+    assert _readable(path, said.append) and said == []
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+    assert not _readable(path, said.append)
+    assert not path.exists() and path.with_name(path.name + ".damaged").is_file()
+    assert len(said) == 1 and "rounding again" in said[0]
+
+
+def _holder(out: Path) -> subprocess.Popen:
+    """Another process that has claimed ``out`` (as a running quantize has) and waits."""
+    code = ("import sys, time; from pathlib import Path; "
+            "from fp4sense.validate import claim_output; "
+            f"claim_output(Path({str(out)!r})); print('claimed', flush=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "claimed"
+    return proc
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new", "overwrite"])
+def test_a_second_run_to_the_same_out_stops_at_once(tiny_llama, text_file, tmp_path,
+                                                    overwrite):
+    """While one run owns --out, a second quantize (with --overwrite too) or analyze to it
+    stops before any work in one line naming the running one, and writes nothing."""
+    out = tmp_path / "q"
+    holder = _holder(out)
+    try:
+        for argv in (["quantize", str(tiny_llama), "--budget", "5", "--text", str(text_file),
+                      *SMALL, "--out", str(out), *(["--overwrite"] if overwrite else [])],
+                     ["analyze", str(tiny_llama), "--text", str(text_file), "--out", str(out)]):
+            t = time.perf_counter()
+            proc = subprocess.run([FP4SENSE, *argv], capture_output=True, text=True)
+            assert proc.returncode == 1, proc.stderr[-2000:]
+            lines = proc.stderr.strip().splitlines()
+            assert len(lines) == 1 and "being written by another fp4sense run" in lines[0]
+            assert f"pid {holder.pid}" in lines[0] and str(out) in lines[0]
+            assert time.perf_counter() - t < 30  # before the model loads
+            assert not out.exists()
+            assert not list(tmp_path.glob(".q.partial-*"))
+    finally:
+        holder.kill()
+        holder.wait()
+    # the owner gone, the folder is free again (the lock dies with its process)
+    code = ("from pathlib import Path; from fp4sense.validate import claim_output; "
+            f"claim_output(Path({str(out)!r}))")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.slow
+def test_analyze_into_a_checkpoint_folder_is_refused(quantized, tiny_llama, text_file):
+    before = (quantized / "sensitivity.json").read_bytes()
+    proc = subprocess.run([FP4SENSE, "analyze", str(tiny_llama), "--text", str(text_file),
+                           "--out", str(quantized)], capture_output=True, text=True)
+    assert proc.returncode == 1
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "holds a checkpoint" in line and "choose another --out" in line
+    assert (quantized / "sensitivity.json").read_bytes() == before
+
+
+@pytest.mark.slow
+def test_the_uploaded_folder_holds_nothing_private(quantized, tiny_llama, text_file):
+    """What `hf upload` / `upload_folder` would send (huggingface_hub's own selection): no
+    hidden file, no path of this machine; the local record lives in the fp4sense cache."""
+    from huggingface_hub.utils import filter_repo_objects
+    from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
+
+    from fp4sense.publishing.lineage import local_record
+
+    names = [p.relative_to(quantized).as_posix() for p in sorted(quantized.glob("**/*"))
+             if p.is_file()]
+    sent = list(filter_repo_objects(names, ignore_patterns=DEFAULT_IGNORE_PATTERNS))
+    assert sent and not [n for n in sent if any(part.startswith(".") for part in
+                                                n.split("/"))], sent
+    for name in sent:
+        if name.endswith((".json", ".yaml", ".md")):
+            text = (quantized / name).read_text()
+            for local in (tiny_llama, text_file, quantized, Path.home()):
+                assert str(local.resolve()) not in text, (name, local)
+    assert local_record(quantized)["base"] == str(tiny_llama.resolve())
+
+
+def test_push_names_a_path_in_any_text_file(tmp_path):
+    """The upload check reads README.md and recipe.yaml for paths of this machine, not only
+    JSON files."""
+    from fp4sense.publishing.hub import HubFile, _local_paths
+
+    real = tmp_path / "models" / "base"
+    real.mkdir(parents=True)
+    (tmp_path / "README.md").write_text(f"Made from `{real}` on my laptop.\n")
+    (tmp_path / "recipe.yaml").write_text(f"plan: {real}/plan.json\nmodel: /no/such/path\n")
+    (tmp_path / "config.json").write_text(json.dumps({"a": "/no/such/path"}))
+    files = [HubFile(n, 1) for n in ("README.md", "recipe.yaml", "config.json")]
+    notes = _local_paths(tmp_path, files)
+    assert [n.split()[0] for n in notes] == ["README.md", "recipe.yaml"]
+    assert str(real) in notes[0] and str(real) in notes[1]
+
+
+def test_sigterm_exits_143_with_one_line(tiny_llama, text_file, tmp_path):
+    """SIGTERM (schedulers, docker stop, timeout) stops like Ctrl-C: one line, exit 143,
+    no output folder left."""
+    out = tmp_path / "a"
+    proc = subprocess.Popen([FP4SENSE, "analyze", str(tiny_llama), "--text", str(text_file),
+                             "--tokens", "256", "--windows", "8", "--no-cache", "--views",
+                             "component,block,grid", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    seen = ""
+    while "measuring" not in seen and time.time() < deadline:
+        seen += proc.stderr.read(1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("fp4sense: terminated (SIGTERM)")
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("pin, said", [("x=FOO", "unknown scheme 'FOO'"),
+                                       (".*down_proj=MXFP4", "MXFP4 is not in --menu")],
+                         ids=["unknown", "off-menu"])
+def test_a_wrong_pin_is_named_before_the_estimate(tiny_llama, text_file, tmp_path, pin, said):
+    """A pin to an unknown scheme, or to one the menu does not hold (the estimate would not
+    score it), is one line naming --pin, before the model is even loaded."""
+    proc = subprocess.run([FP4SENSE, "quantize", str(tiny_llama), "--budget", "5", "--menu",
+                           "NVFP4,FP8_DYNAMIC,BF16", "--pin", pin, "--text", str(text_file),
+                           *SMALL, "--out", str(tmp_path / "q")], capture_output=True,
+                          text=True)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("fp4sense: error: --pin ") and said in line, line
+    assert "estimat" not in proc.stderr and not (tmp_path / "q").exists()
+
+
+def test_a_negative_holdout_is_a_usage_error(tmp_path):
+    proc = subprocess.run([FP4SENSE, "quantize", "--budget", "5", "--distill", "4",
+                           "--distill-holdout", "-1", "--out", str(tmp_path / "q")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "--distill-holdout" in proc.stderr
