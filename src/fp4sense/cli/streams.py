@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import math
 import os
 import signal
 import sys
@@ -19,9 +20,22 @@ __all__ = ["Terminated", "emit_json", "settle_interrupt", "sigterm_as_interrupt"
 _json_out = None
 
 
+def _finite(obj):
+    """``obj`` with NaN and infinities as null: what JSON can carry (Python's json module
+    would write ``NaN`` / ``Infinity``, which JSON parsers refuse)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def emit_json(obj) -> None:
+    """Write ``obj`` as strict JSON (non-finite numbers as null) to the JSON stream."""
     stream = _json_out or sys.stdout
-    stream.write(json.dumps(obj, indent=2) + "\n")
+    stream.write(json.dumps(_finite(obj), indent=2, allow_nan=False) + "\n")
     stream.flush()
 
 

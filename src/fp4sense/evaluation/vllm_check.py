@@ -102,7 +102,14 @@ class VerifyResult:
 # --- the two sides ---------------------------------------------------------------------
 def find_serve_python(explicit: str | os.PathLike | None = None) -> Path:
     """The serve environment's python: argument, $FP4SENSE_SERVE_PYTHON, or .venv-vllm."""
-    candidates = [explicit, os.environ.get(SERVE_PYTHON_ENV)]
+    for given, what in ((explicit, "--serve-python"), (os.environ.get(SERVE_PYTHON_ENV),
+                                                       SERVE_PYTHON_ENV)):
+        if given:  # named by the user: that one or none, never a silent fallback
+            if not Path(given).is_file():
+                raise VerifyError(f"{what} {given}: no such file; give the serve "
+                                  "environment's python (e.g. .venv-vllm/bin/python)")
+            return Path(given)
+    candidates = []
     prefix = Path(sys.prefix)
     candidates.append(prefix.parent / ".venv-vllm" / "bin" / "python")
     for cand in candidates:

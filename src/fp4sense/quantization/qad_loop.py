@@ -54,8 +54,7 @@ def train(model, data, teacher, params, quantizer, st, state_dir: Path | None, k
         def loss(window, target):
             return _kl(model, window, target)
     gen = torch.Generator().manual_seed(st.seed)
-    order = [int(i) for _ in range(-(-st.steps // len(data)))
-             for i in torch.randperm(len(data), generator=gen)]
+    order = _Order(gen, len(data))  # drawn as the steps reach it: no up-front list
     lr = st.lr
     hist: dict = {"step": [], "loss": [], "grad_norm": [], "lr": []}
     rollbacks: list[dict] = []
@@ -158,6 +157,20 @@ def train(model, data, teacher, params, quantizer, st, state_dir: Path | None, k
         f"{loss_after:.4f}" + (f", {len(rollbacks)} rollback(s)" if rollbacks else ""))
     return {"steps": st.steps, "loss_before": loss_before, "loss_after": loss_after,
             "rollbacks": rollbacks, "history": hist, **extra}
+
+
+class _Order:
+    """Step -> training window: one random permutation of the windows per pass, drawn
+    from ``gen`` as the steps reach it (the same order an up-front list gave, without
+    building one for every step first: a huge step count starts at once)."""
+
+    def __init__(self, gen: torch.Generator, n: int):
+        self.gen, self.n, self.drawn = gen, n, []
+
+    def __getitem__(self, step: int) -> int:
+        while len(self.drawn) <= step:
+            self.drawn += [int(i) for i in torch.randperm(self.n, generator=self.gen)]
+        return self.drawn[step]
 
 
 def _groups(params, lr_scales) -> list[dict]:
