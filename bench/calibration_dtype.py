@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     rows = []
-    report = str(args.work / "float32" / "sensitivity.json")
+    report = str(args.work / "float32" / "float32" / "sensitivity.json")  # label / dtype
     for label, dtype, given in (("float32", "float32", None),
                                 ("float32-given", "float32", report),
                                 ("bfloat16", "bfloat16", report)):

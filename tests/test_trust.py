@@ -234,3 +234,95 @@ def test_training_order_is_drawn_as_the_steps_reach_it():
     assert [order[s] for s in range(20)] == before
     huge = _Order(torch.Generator().manual_seed(0), 5)
     assert huge[0] == before[0] and len(huge.drawn) == 5  # one pass drawn, not 10**9 steps
+
+
+def _lying_copy(quantized: Path, tmp_path: Path, change) -> tuple[Path, str]:
+    """A copy of the checkpoint whose config.json's NVFP4 group is changed by ``change``;
+    (folder, the group's name)."""
+    import shutil
+
+    folder = tmp_path / "lying"
+    shutil.copytree(quantized, folder)
+    config = json.loads((folder / "config.json").read_text())
+    groups = config["quantization_config"]["config_groups"]
+    name = next(n for n, g in groups.items() if g.get("format") == "nvfp4-pack-quantized"
+                and g.get("input_activations"))
+    change(groups[name])
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lie, said", [
+    (lambda g: g.pop("input_activations"), "quantizes no input activations"),
+    (lambda g: g.update(format="mxfp4-pack-quantized"), "says format mxfp4-pack-quantized"),
+    (lambda g: g["weights"].update(group_size=32), "says group size 32"),
+    (lambda g: g["weights"].update(num_bits=8), "says 8-bit weights"),
+], ids=["acts-dropped", "wrong-format", "group-size", "bits"])
+def test_a_config_that_lies_about_its_tensors_is_named(quantized, tmp_path, lie, said):
+    """eval (and every command sharing the checker) refuses a config.json whose groups do
+    not describe the stored tensors, naming the group and a module, before loading."""
+    folder, group = _lying_copy(quantized, tmp_path, lie)
+    proc = subprocess.run([FP4SENSE, "eval", str(folder)], capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert said in line and f"config group {group!r}" in line and "model.layers." in line, line
+
+
+@pytest.mark.slow
+def test_eval_against_another_base_says_so(quantized, tiny_llama, text_file, tmp_path):
+    """`eval --base` with a model of the same architecture but other weights: a note
+    naming both fingerprints (plan.json records the base's); the right base: none."""
+    from conftest import make_tiny_llama
+
+    other = make_tiny_llama(tmp_path / "other", seed=1)
+    for base, differs in ((tiny_llama, False), (other, True)):
+        proc = subprocess.run([FP4SENSE, "eval", str(quantized), "--base", str(base),
+                               "--text", str(text_file), "--windows", "1", "--tokens", "64",
+                               "--json"], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        notes = [n for n in json.loads(proc.stdout)["notes"] if "is not the model" in n]
+        assert bool(notes) == differs, notes
+
+
+def test_a_full_disk_while_safetensors_saves_is_one_line():
+    """safetensors reports a full disk with its own error (no OSError): still one line."""
+    import argparse
+    import contextlib
+    import io
+
+    from safetensors import SafetensorError
+
+    from fp4sense.cli import EXIT_USER_ERROR, run_command
+
+    def fills(args):  # the message safetensors' Rust writer gives for ENOSPC
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: '
+                              'StorageFull, message: "No space left on device" })')
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = run_command(fills, argparse.Namespace(json=False))
+    assert code == EXIT_USER_ERROR and err.getvalue().count("\n") == 1
+    assert "No space left on device" in err.getvalue() and "free space" in err.getvalue()
+
+
+def test_a_folder_given_as_a_file_is_named(tmp_path):
+    from fp4sense.inputs.gguf import GGUFConversionError, convert_gguf
+    from fp4sense.inputs.texts import DataError, load_text
+
+    with pytest.raises(DataError, match="is a folder; give one text file"):
+        load_text(tmp_path)
+    with pytest.raises(GGUFConversionError, match="is a folder; give the .gguf file"):
+        convert_gguf(tmp_path, tmp_path / "out")
+
+
+def test_qad_says_when_it_trains_on_fewer_windows_than_asked():
+    from fp4sense.quantization.distill import DistillSettings, _split
+
+    windows = torch.zeros(4, 8, dtype=torch.long)
+    said = []
+    assert len(_split(windows, DistillSettings(steps=4, windows=2, holdout=1), said.append)) == 3
+    assert said == []
+    assert len(_split(windows, DistillSettings(steps=4, windows=16, holdout=1),
+                      said.append)) == 4
+    assert len(said) == 1 and "trains on 3 calibration windows, not the 16 asked" in said[0]

@@ -136,7 +136,65 @@ def check_checkpoint(folder: str | os.PathLike) -> dict:
             raise CheckpointError(f"{folder}: {module} has no weight_global_scale tensor")
         if packed or fp8:
             _check_stored(folder, module, tensors)
+            _check_group(config_path, qcfg, module, tensors)
     return qcfg
+
+
+def _group_of(qcfg: dict, module: str) -> tuple[str, dict] | None:
+    """The config group that quantizes ``module``: one naming it (a name or ``re:``)
+    before one by class name (``Linear``); None when none does or it is ignored."""
+    if any(match_name(module, i) for i in qcfg.get("ignore") or []):
+        return None
+    by_class = None
+    for name, group in (qcfg.get("config_groups") or {}).items():
+        for t in group.get("targets") or []:
+            if t.startswith("re:") or "." in t:
+                if match_name(module, t):
+                    return name, group
+            elif by_class is None:
+                by_class = (name, group)
+    return by_class
+
+
+def _check_group(config_path: Path, qcfg: dict, module: str, tensors: dict) -> None:
+    """The config group that targets a stored quantized module says what its tensors are:
+    the format, the bits, the group size of the stored scales, and whether its input
+    activations are quantized with a stored global scale (NVFP4 W4A4). A config that
+    says otherwise would be loaded as something else (e.g. W4A4 evaluated as weight-only)."""
+    found = _group_of(qcfg, module)
+    if found is None:
+        raise CheckpointError(f"{config_path}: {module} is stored quantized, but no config "
+                              "group quantizes it (or it is ignored); config.json does not "
+                              "match the weights")
+    name, group = found
+    packed = tensors.get(f"{module}.weight_packed")
+    stored = ("float-quantized" if packed is None else "nvfp4-pack-quantized"
+              if f"{module}.weight_global_scale" in tensors else "mxfp4-pack-quantized")
+    said = group.get("format") or qcfg.get("format")
+    weights = group.get("weights") or {}
+    problem = None
+    if said not in (stored, "mixed-precision", None):
+        problem = f"says format {said}, the tensors are {stored}"
+    elif weights.get("num_bits") not in (None, 4 if packed is not None else 8):
+        problem = f"says {weights.get('num_bits')}-bit weights, the tensors are {stored}"
+    elif packed is not None and weights.get("group_size") not in (
+            None, packed["shape"][1] * 2 // tensors[f"{module}.weight_scale"]["shape"][1]):
+        problem = (f"says group size {weights.get('group_size')}, the stored scales are one "
+                   f"per {packed['shape'][1] * 2 // tensors[f'{module}.weight_scale']['shape'][1]}"
+                   " weights")
+    else:
+        acts = group.get("input_activations")
+        has_input_scale = f"{module}.input_global_scale" in tensors
+        if has_input_scale and not acts:
+            problem = ("quantizes no input activations, but the tensors store an "
+                       "input_global_scale (W4A4)")
+        elif (stored == "nvfp4-pack-quantized" and acts and acts.get("dynamic") is not True
+              and not has_input_scale):
+            problem = "quantizes input activations with a stored global scale, but none is stored"
+    if problem:
+        raise CheckpointError(f"{config_path}: config group {name!r} (targeting {module}) "
+                              f"{problem}; config.json does not match the weights: restore "
+                              "it or quantize again")
 
 
 def _check_stored(folder: Path, module: str, tensors: dict[str, dict]) -> None:

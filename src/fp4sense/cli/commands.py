@@ -327,11 +327,12 @@ def run_command(action: Callable[[argparse.Namespace], int], args: argparse.Name
         if code is not None:
             print(f"fp4sense: error: {exc}", file=sys.stderr)
             return code
-        if not isinstance(exc, OSError):
-            raise
+        if not isinstance(exc, OSError) and "StorageFull" not in str(exc):
+            raise  # (safetensors' error on a full disk is no OSError: Rust's StorageFull)
         # a disk that fills or turns read-only mid-run: one line
-        where = f"{exc.filename}: " if exc.filename else ""
-        print(f"fp4sense: error: could not read or write {where}{exc.strerror or exc}; "
+        where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
+        print(f"fp4sense: error: could not read or write {where}"
+              f"{getattr(exc, 'strerror', None) or exc}; "
               "free space or fix permissions and run again", file=sys.stderr)
         return EXIT_USER_ERROR
 

@@ -60,6 +60,10 @@ def evaluate_checkpoint(
     _check_base_matches(folder, base_model, base)
     quant, act_layers, notes = load_checkpoint(folder, as_served, placement.device,
                                                placement.dtype)
+    other = _other_base(folder, base_model)
+    if other:
+        log(f"note: {other}")
+        notes.append(other)
     comparison = compare_models(base_model, quant, windows,
                                 desc="evaluating" if progress else "")
     warning = implausible(comparison.base_ppl, base_model.config.get_text_config().vocab_size,
@@ -96,6 +100,23 @@ def _check_base_matches(folder: Path, base_model: torch.nn.Module, base) -> None
     if differ:
         raise InputError(f"base model {str(base)!r} is not the model {folder} was made from "
                          f"({'; '.join(differ)}); pass the right --base")
+
+
+def _other_base(folder: Path, base_model: torch.nn.Module) -> str | None:
+    """A line when plan.json records the fingerprint of another base than the one given
+    (same architecture, other weights: the KL is then against a model the checkpoint was
+    not made from); None when they agree or nothing is recorded."""
+    from fp4sense.diagnosis.units import model_fingerprint
+
+    plan = folder / "plan.json"
+    recorded = json.loads(plan.read_text()).get("model_fingerprint") if plan.is_file() \
+        else None
+    given = model_fingerprint(base_model) if recorded else None
+    if recorded and given != recorded:
+        return (f"the base given (fingerprint {given}) is not the model the checkpoint was "
+                f"made from (plan.json records {recorded}): the figures compare it with "
+                "another model; pass the right --base")
+    return None
 
 
 def _recorded_base(folder: Path) -> str:

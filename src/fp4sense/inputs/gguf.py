@@ -49,6 +49,9 @@ def convert_gguf(
 
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
+    if gguf_path.is_dir():
+        raise GGUFConversionError(f"{gguf_path} is a folder; give the .gguf file itself "
+                                  "(a split GGUF: its first part)")
     if not gguf_path.is_file():
         raise GGUFConversionError(f"GGUF file not found: {gguf_path}")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:

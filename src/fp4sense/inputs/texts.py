@@ -52,6 +52,9 @@ def load_text(source: str | os.PathLike | None = None, split: str = "calibration
     if text_source.startswith("dataset:"):
         return _dataset_text(text_source[len("dataset:"):])
     path = Path(text_source)
+    if path.is_dir():
+        raise DataError(f"--text {path} is a folder; give one text file (join the files "
+                        "first, e.g. cat *.txt > all.txt) or dataset:NAME[:CONFIG][:SPLIT]")
     if not path.is_file():
         raise DataError(
             f"text file {path} not found; pass a text file path or dataset:NAME[:CONFIG][:SPLIT]"

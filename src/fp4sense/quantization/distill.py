@@ -150,7 +150,7 @@ def distill(model: torch.nn.Module, units: UnitMap, schemes: dict[str, str],
     """
     settings.check()
     trained = _trained(units, schemes)
-    data = _split(windows, settings).to(next(model.parameters()).device)
+    data = _split(windows, settings, log).to(next(model.parameters()).device)
     modules = dict(model.named_modules())
     names = trained_linears(units, schemes)
     missing = sorted(set(names) - set(frozen.weights)) if frozen is not None else []
@@ -231,15 +231,20 @@ def _blocks_of(model, units: UnitMap, settings: DistillSettings):
     return model.get_submodule(units.blocks_path) if settings.mode == "block" else None
 
 
-def _split(windows: torch.Tensor, settings: DistillSettings) -> torch.Tensor:
+def _split(windows: torch.Tensor, settings: DistillSettings, log=None) -> torch.Tensor:
     """The windows QAD uses: up to ``windows`` to train on, then ``holdout`` held out (the
-    training takes fewer when fewer are given; the held-out ones are never cut)."""
+    training takes fewer when fewer are given, said through ``log``; the held-out ones
+    are never cut)."""
     use = windows[:settings.windows + settings.holdout]
     if len(use) <= settings.holdout:
         raise DistillError(f"QAD holds out {settings.holdout} calibration windows and needs "
                            f"at least one more to train on, but {len(windows)} were given; "
                            "give more calibration windows or hold out fewer "
                            "(--distill-holdout)")
+    if log is not None and len(use) < settings.windows + settings.holdout:
+        log(f"note: QAD trains on {len(use) - settings.holdout} calibration windows, not "
+            f"the {settings.windows} asked (--distill-windows): {len(windows)} were given "
+            f"and {settings.holdout} are held out; raise --calib-windows to train on more")
     return use
 
 
