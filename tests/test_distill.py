@@ -33,7 +33,7 @@ def test_qad_lowers_the_kl_and_leaves_bf16_units_alone(tiny_llama):
     model, units, schemes, windows, bf16_unit = _setup(tiny_llama)
     before = _weights(model)
     record = distill(model, units, schemes, windows,
-                     DistillSettings(steps=12, lr=3e-5, windows=4, check_every=4,
+                     DistillSettings(steps=12, lr=3e-5, windows=4, holdout=0, check_every=4,
                                      save_every=4, rescale_every=4), progress=False)
     assert record["loss_after"] < record["loss_before"]
     assert len(record["history"]["loss"]) == 12 and not record["rollbacks"]
@@ -53,7 +53,8 @@ def test_qad_rolls_back_a_diverging_run(tiny_llama):
     model, units, schemes, windows, _ = _setup(tiny_llama)
     lines: list[str] = []
     record = distill(model, units, schemes, windows,
-                     DistillSettings(steps=12, lr=3.0, windows=4, check_every=2, save_every=2),
+                     DistillSettings(steps=12, lr=3.0, windows=4, holdout=0, check_every=2,
+                                     save_every=2),
                      progress=False, log=lines.append)
     assert record["rollbacks"] and record["rollbacks"][0]["lr"] == 1.5
     assert any("rolled back to step" in line for line in lines)
@@ -62,7 +63,7 @@ def test_qad_rolls_back_a_diverging_run(tiny_llama):
 
 
 def test_interrupted_qad_resumes_to_the_same_weights(tiny_llama, tmp_path, monkeypatch):
-    settings = DistillSettings(steps=8, lr=1e-3, lr_4bit=2.0, windows=4, check_every=2,
+    settings = DistillSettings(steps=8, lr=1e-3, lr_4bit=2.0, windows=4, holdout=0, check_every=2,
                                save_every=4, rescale_every=3)  # two parameter groups
     model, units, schemes, windows, _ = _setup(tiny_llama)
     distill(model, units, schemes, windows, settings, progress=False)
@@ -107,8 +108,9 @@ def test_the_4bit_factor_scales_only_the_4bit_units_learning_rate(tiny_llama):
     model, units, schemes, windows, _ = _setup(tiny_llama)
     before = _weights(model)
     record = distill(model, units, schemes, windows,
-                     DistillSettings(steps=12, lr=1e-12, lr_4bit=3e7, windows=4, check_every=4,
-                                     save_every=4, rescale_every=4), progress=False)
+                     DistillSettings(steps=12, lr=1e-12, lr_4bit=3e7, windows=4, holdout=0,
+                                     check_every=4, save_every=4, rescale_every=4),
+                     progress=False)
     assert record["settings"]["lr_4bit"] == 3e7 and not record["rollbacks"]
     assert record["loss_after"] < record["loss_before"]
     after = _weights(model)
@@ -153,10 +155,10 @@ def test_a_plan_for_another_model_is_refused(tiny_llama):
     model, units, schemes, windows, _ = _setup(tiny_llama)
     with pytest.raises(DistillError, match="does not have"):
         distill(model, units, {"model.layers.9.mlp.down_proj": "NVFP4"}, windows,
-                DistillSettings(steps=2), progress=False)
+                DistillSettings(steps=2, holdout=0), progress=False)
     with pytest.raises(DistillError, match="quantizes no unit"):
         distill(model, units, {u: "BF16" for u in schemes}, windows,
-                DistillSettings(steps=2), progress=False)
+                DistillSettings(steps=2, holdout=0), progress=False)
 
 
 @pytest.mark.slow

@@ -273,9 +273,14 @@ def test_a_config_that_lies_about_its_tensors_is_named(quantized, tmp_path, lie,
 def test_eval_against_another_base_says_so(quantized, tiny_llama, text_file, tmp_path):
     """`eval --base` with a model of the same architecture but other weights: a note
     naming both fingerprints (plan.json records the base's); the right base: none."""
+    import shutil
+
     from conftest import make_tiny_llama
 
     other = make_tiny_llama(tmp_path / "other", seed=1)
+    for f in tiny_llama.iterdir():  # the same tokenizer: only the weights differ
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, other / f.name)
     for base, differs in ((tiny_llama, False), (other, True)):
         proc = subprocess.run([FP4SENSE, "eval", str(quantized), "--base", str(base),
                                "--text", str(text_file), "--windows", "1", "--tokens", "64",

@@ -8,6 +8,7 @@ import argparse
 import re
 from pathlib import Path
 
+from fp4sense.quantization.distill_settings import MODES, cli_options
 from fp4sense.validate import (
     block_list,
     device_name,
@@ -35,6 +36,28 @@ def pins_of(values: list[str] | None) -> dict[str, str]:
                              "'3:mlp.down_proj'") from None
         pins[pattern] = scheme
     return pins
+
+
+#: how the command line types each QAD setting it offers (names, defaults and help come
+#: from the one definition, DistillSettings: :func:`_add_distill`)
+_DISTILL_TYPES = {"steps": dict(type=positive_int, metavar="STEPS"),
+                  "lr": dict(type=positive_float), "lr_4bit": dict(type=positive_float,
+                                                                    metavar="FACTOR"),
+                  "windows": dict(type=positive_int),
+                  "holdout": dict(type=non_negative_int, metavar="N"),
+                  "mode": dict(choices=list(MODES))}
+
+
+def _add_distill(p: argparse.ArgumentParser) -> None:
+    """The ``--distill*`` flags, generated from :class:`DistillSettings`' fields."""
+    for name, (flag, default, help_) in cli_options().items():
+        if name == "steps":  # the switch: no training unless given
+            p.add_argument(flag, default=None, help="after planning, train the quantized "
+                           "model to match the unquantized one for STEPS steps "
+                           f"(quantization-aware distillation): {help_}", **_DISTILL_TYPES[name])
+        else:
+            p.add_argument(flag, default=default, help=f"{help_} (default {default})",
+                           **_DISTILL_TYPES[name])
 
 
 def _add_model_and_text(p: argparse.ArgumentParser, text_help: str) -> None:
@@ -138,23 +161,7 @@ def quantize_args(p: argparse.ArgumentParser) -> None:
                    help="with --gptq: score the units after GPTQ, not after round-to-nearest "
                         "(one more GPTQ oneshot per quantizing scheme of the menu, before "
                         "planning; units GPTQ repairs well then cost fewer bits)")
-    p.add_argument("--distill", type=positive_int, default=None, metavar="STEPS",
-                   help="after planning, train the quantized model to match the unquantized "
-                        "one for STEPS steps (quantization-aware distillation)")
-    p.add_argument("--distill-lr", type=positive_float, default=5e-5,
-                   help="distillation learning rate")
-    p.add_argument("--distill-lr-4bit", type=positive_float, default=1.0, metavar="FACTOR",
-                   help="factor on the learning rate for units with 4-bit weights, whose "
-                        "grid steps are coarser (default 1)")
-    p.add_argument("--distill-windows", type=positive_int, default=16,
-                   help="calibration windows the distillation trains on")
-    p.add_argument("--distill-mode", choices=["end-to-end", "block"], default="end-to-end",
-                   help="end-to-end: the KL of the whole model (default); block: each "
-                        "decoder block in turn matches its unquantized output, STEPS steps "
-                        "per block, each step one block's forward and backward")
-    p.add_argument("--distill-holdout", type=non_negative_int, default=4, metavar="N",
-                   help="further calibration windows, not trained on, that choose the "
-                        "state the distillation ends on (0: none)")
+    _add_distill(p)
     p.add_argument("--no-scale-search", action="store_true",
                    help="plan without the searched-scale twins of the FP4 menu schemes "
                         "(NVFP4 -> NVFP4_SEARCH, used by default where they score lower)")

@@ -44,7 +44,6 @@ an interrupt (same model, plan and settings; seeded: it ends where an uninterrup
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from collections.abc import Callable
@@ -58,56 +57,14 @@ from fp4sense.diagnosis.blockio import no_cache
 from fp4sense.diagnosis.units import UnitMap
 from fp4sense.numerics.schemes import get_scheme
 from fp4sense.quantization.blockwise import BlockTargets, record_blocks, train_blocks
-from fp4sense.quantization.qad_loop import DistillError, train
+from fp4sense.quantization.distill_settings import MODES, DistillError, DistillSettings
+from fp4sense.quantization.qad_loop import train
 from fp4sense.quantization.straight_through import FrozenRefresher, Refresher, install
 
 __all__ = ["MODES", "DistillBase", "DistillError", "DistillSettings", "Frozen", "base_pass",
            "distill", "record_training", "trained_linears"]
 
-MODES = ("end-to-end", "block")
-
 Quantizer = Callable[[torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class DistillSettings:
-    """How QAD trains (recorded in the checkpoint's distill.json)."""
-
-    steps: int  # optimizer steps (block-wise: per decoder block)
-    lr: float = 5e-5
-    lr_4bit: float = 1.0  # x lr for units with 4-bit weights (their grid steps are coarser)
-    seed: int = 0
-    windows: int = 16  # calibration windows trained on (base log-probs kept in memory)
-    holdout: int = 0  # further windows, not trained on, that choose the state it ends on
-    check_every: int = 10
-    rise: float = 1.5  # a check-window mean above rise x the best one rolls back
-    rescale_every: int = 20
-    save_every: int = 20  # a multiple of check_every (a resumed run checks where it would have)
-    mode: str = "end-to-end"  # or "block" (each block matches its base output in turn)
-
-    def check(self) -> None:
-        if self.mode not in MODES:
-            raise DistillError(f"the distillation mode must be one of {', '.join(MODES)}, "
-                               f"got {self.mode!r}")
-        if not isinstance(self.steps, int) or self.steps < 1:
-            raise DistillError(f"distillation steps must be a positive whole number, got "
-                               f"{self.steps!r}; give e.g. --distill 100")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise DistillError(f"the distillation learning rate must be positive, got {self.lr}")
-        if not (self.lr_4bit > 0 and math.isfinite(self.lr_4bit)):
-            raise DistillError(f"the 4-bit units' learning-rate factor must be positive, got "
-                               f"{self.lr_4bit}")
-        if not isinstance(self.holdout, int) or self.holdout < 0:
-            raise DistillError(f"the held-out windows must be a whole number, 0 or more, got "
-                               f"{self.holdout!r}")
-        if self.windows < 1 or self.check_every < 1 or self.rescale_every < 1:
-            raise DistillError("distillation windows, check_every and rescale_every must be "
-                               "at least 1")
-        if self.save_every % self.check_every:
-            raise DistillError(f"save_every ({self.save_every}) must be a multiple of "
-                               f"check_every ({self.check_every})")
-        if self.rise <= 1:
-            raise DistillError(f"rise must be above 1, got {self.rise}")
 
 
 @dataclass

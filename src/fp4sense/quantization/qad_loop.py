@@ -11,13 +11,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from fp4sense.quantization.distill_settings import DistillError
+
 __all__ = ["STATE_FILE", "set_aside", "train"]
 
 STATE_FILE = "distill-state.pt"
-
-
-class DistillError(ValueError):
-    """Settings or inputs QAD cannot run with (the message says which and what to do)."""
 
 
 def _kl(model, window, teacher) -> torch.Tensor:

@@ -27,6 +27,7 @@ Either way the checkpoint is the one a plain recipe writes::
 from __future__ import annotations
 
 import contextlib
+from dataclasses import fields
 
 import torch
 from compressed_tensors.quantization import disable_quantization, enable_quantization
@@ -49,6 +50,8 @@ from fp4sense_llmcompressor.modifier import _calibration_windows
 
 __all__ = ["QuantizationAwareDistillationModifier"]
 
+_DEFAULT = {f.name: f.default for f in fields(DistillSettings)}
+
 
 class QuantizationAwareDistillationModifier(Modifier):
     """Train the model under the schemes the stage's quantization modifiers attached.
@@ -68,17 +71,18 @@ class QuantizationAwareDistillationModifier(Modifier):
         else where the model is); the model goes back afterwards
     """
 
+    # the settings' defaults are DistillSettings' own (one definition for every front door)
     steps: int
-    lr: float = 5e-5
-    lr_4bit: float = 1.0
-    seed: int = 0
-    windows: int = 16
-    holdout: int = 0
-    check_every: int = 10
-    rise: float = 1.5
-    rescale_every: int = 20
-    save_every: int = 20
-    mode: str = "end-to-end"
+    lr: float = _DEFAULT["lr"]
+    lr_4bit: float = _DEFAULT["lr_4bit"]
+    seed: int = _DEFAULT["seed"]
+    windows: int = _DEFAULT["windows"]
+    holdout: int = _DEFAULT["holdout"]
+    check_every: int = _DEFAULT["check_every"]
+    rise: float = _DEFAULT["rise"]
+    rescale_every: int = _DEFAULT["rescale_every"]
+    save_every: int = _DEFAULT["save_every"]
+    mode: str = _DEFAULT["mode"]
     state_dir: str | None = None
     device: str | None = None
     # It trains on the calibration data, which it reads itself (``state.data.calib``),
