@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import FP4SENSE
 from fp4sense import __version__
 
@@ -114,7 +116,11 @@ sys.exit(run_command(action, argparse.Namespace(json=False)))
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
 
 
-def test_interrupt_exits_130_with_one_line(tiny_llama, text_file, tmp_path):
+@pytest.mark.parametrize("sig, code, said", [
+    ("SIGINT", 130, "fp4sense: interrupted"),
+    ("SIGTERM", 143, "fp4sense: terminated (SIGTERM)"),  # schedulers, docker stop, timeout
+], ids=["ctrl-c", "sigterm"])
+def test_interrupt_exits_with_one_line(tiny_llama, text_file, tmp_path, sig, code, said):
     import signal
     import time
 
@@ -130,10 +136,10 @@ def test_interrupt_exits_130_with_one_line(tiny_llama, text_file, tmp_path):
     seen = ""
     while "measuring" not in seen and time.time() < deadline:  # progress bar: work started
         seen += proc.stderr.read(1)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, sig))
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-2000:]
-    assert err.strip().splitlines()[-1].startswith("fp4sense: interrupted")
+    assert proc.returncode == code, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith(said)
     assert "Traceback" not in err
 
 

@@ -64,7 +64,7 @@ def analyze_model(
     starts a sequence with (:func:`fp4sense.inputs.texts.make_windows`)."""
     from fp4sense.diagnosis import analyze, check_request
     from fp4sense.evaluation.metrics import implausible
-    from fp4sense.inputs.texts import sequence_prefix
+    from fp4sense.inputs.texts import window_prefix
     from fp4sense.reports.analysis import write_analysis
     from fp4sense.runtime import distributed
     from fp4sense.runtime.devices import resolve
@@ -90,7 +90,7 @@ def analyze_model(
         hf_model, windows, schemes=schemes, views=views, modes=modes, grid_blocks=grid_blocks,
         cache_dir=cache_folder,
         text={"source": text_name(text),
-              "window_prefix": [] if raw_windows else sequence_prefix(tokenizer)},
+              "window_prefix": window_prefix(tokenizer, raw_windows)},
         progress=progress, log=log, offload_dir=offload_dir, device=placement.device,
     )
     warning = implausible(report.base_ppl, hf_model.config.get_text_config().vocab_size)

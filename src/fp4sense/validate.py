@@ -17,7 +17,8 @@ from pathlib import Path
 
 __all__ = ["InputError", "block_list", "check_output_folder", "check_writable", "device_name",
            "non_empty", "non_negative_int", "positive_float", "positive_int", "non_negative_float",
-           "claim_output", "publish_folder", "remove_dead_partials", "write_owner"]
+           "claim_output", "publish_folder", "remove_dead_partials", "set_aside",
+           "write_owner"]
 
 
 class InputError(ValueError):
@@ -181,7 +182,8 @@ def claim_output(out: Path) -> None:
     from fp4sense.inputs.assets import cache_dir
 
     target = str(Path(out).resolve())
-    if target in _CLAIMED or os.environ.get("RANK", "0") != "0":
+    if target in _CLAIMED or (int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun: as
+                              and os.environ.get("RANK", "0") != "0"):  # launch_rank()
         return
     places = (cache_dir() / "locks" / f"{hashlib.sha256(target.encode()).hexdigest()[:32]}.lock",
               Path(target).parent / f".{Path(target).name}.fp4sense-lock")
@@ -245,6 +247,17 @@ def remove_dead_partials(parent: Path, name: str) -> list[str]:
             shutil.rmtree(folder, ignore_errors=True)
             notes.append(f"removed {folder}, left by a run that was killed (pid {pid})")
     return notes
+
+
+def set_aside(path: Path, exc: BaseException, what: str, then: str, log) -> None:
+    """A resume file an earlier run left that fails to read: renamed ``NAME.damaged``
+    (kept for inspection, never read again), said in one line naming it, the error and
+    what the run does instead (``then``)."""
+    aside = path.with_name(path.name + ".damaged")
+    path.replace(aside)
+    first = str(exc).splitlines()[0][:160] if str(exc) else ""
+    log(f"note: {what} {path} could not be read ({type(exc).__name__}"
+        f"{': ' + first if first else ''}); moved to {aside.name}, {then}")
 
 
 def _alive(pid: int) -> bool:

@@ -44,7 +44,7 @@ def evaluate_checkpoint(
     from fp4sense.checkpoint.checks import check_checkpoint, checkpoint_tokenizer, effective_bits
     from fp4sense.checkpoint.loading import load_checkpoint
     from fp4sense.evaluation.metrics import compare_models, implausible
-    from fp4sense.inputs.texts import PROTOCOL_EVAL_TEXT, protocol_windows, sequence_prefix
+    from fp4sense.inputs.texts import PROTOCOL_EVAL_TEXT, protocol_windows, window_prefix
     from fp4sense.publishing.lineage import public_name
     from fp4sense.runtime.devices import resolve
 
@@ -78,7 +78,7 @@ def evaluate_checkpoint(
         "effective_bits": bits["bits"], "linear_bytes": bits["bytes"],
         "format": qcfg.get("format"), "activation_quantized_layers": act_layers,
         "windows": n_windows, "window_tokens": window_tokens,
-        "window_prefix": [] if raw_windows else sequence_prefix(tokenizer),
+        "window_prefix": window_prefix(tokenizer, raw_windows),
         "device": placement.describe(),
         "text": public_name(text) if text is not None else PROTOCOL_EVAL_TEXT,
         "notes": notes,

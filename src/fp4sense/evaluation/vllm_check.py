@@ -109,12 +109,9 @@ def find_serve_python(explicit: str | os.PathLike | None = None) -> Path:
                 raise VerifyError(f"{what} {given}: no such file; give the serve "
                                   "environment's python (e.g. .venv-vllm/bin/python)")
             return Path(given)
-    candidates = []
-    prefix = Path(sys.prefix)
-    candidates.append(prefix.parent / ".venv-vllm" / "bin" / "python")
-    for cand in candidates:
-        if cand and Path(cand).is_file():
-            return Path(cand)
+    beside = Path(sys.prefix).parent / ".venv-vllm" / "bin" / "python"
+    if beside.is_file():
+        return beside
     raise VerifyError(
         "cannot find the serve environment's python (vLLM); pass --serve-python PATH, set "
         f"{SERVE_PYTHON_ENV}, or run `make setup` to create .venv-vllm"

@@ -25,6 +25,7 @@ __all__ = [
     "make_windows",
     "protocol_windows",
     "sequence_prefix",
+    "window_prefix",
 ]
 
 WINDOW_TOKENS = 512
@@ -106,6 +107,12 @@ def sequence_prefix(tokenizer) -> list[int]:
     return []
 
 
+def window_prefix(tokenizer, raw: bool = False) -> list[int]:
+    """The tokens every window starts with: the tokenizer's :func:`sequence_prefix`, or
+    none for ``raw`` windows (what reports and plan.json record as ``window_prefix``)."""
+    return [] if raw else sequence_prefix(tokenizer)
+
+
 def make_windows(
     tokenizer, text: str, n_windows: int, window_tokens: int = WINDOW_TOKENS,
     what: str = "text", raw: bool = False,
@@ -113,7 +120,7 @@ def make_windows(
     """The first ``n_windows`` windows of ``window_tokens`` tokens: (n, T) int64. Each is
     the tokenizer's :func:`sequence_prefix` followed by the next consecutive text tokens
     (``raw``: text tokens only)."""
-    head = [] if raw else sequence_prefix(tokenizer)
+    head = window_prefix(tokenizer, raw)
     body = window_tokens - len(head)
     if body < 1:
         raise DataError(f"windows of {window_tokens} tokens leave no room for text after the "

@@ -15,7 +15,7 @@ from fp4sense.evaluation.evaluate import evaluate_checkpoint
 from fp4sense.evaluation.metrics import implausible
 from fp4sense.inputs.models import DEFAULT_ANALYSIS_WINDOWS, analysis_windows, load_model
 from fp4sense.inputs.moe import stored_expert_names
-from fp4sense.inputs.texts import sequence_prefix
+from fp4sense.inputs.texts import window_prefix
 from fp4sense.publishing.lineage import text_name
 
 __all__ = ["quantize_model"]
@@ -151,7 +151,7 @@ def quantize_model(
     calib = analysis_windows(tokenizer, text, calib_windows, window_tokens, raw_windows)
     calibration = {"dtype": placement.dtype_name, "stored_dtype": str(
         hf_model.fp4sense_stored_dtype).removeprefix("torch."),
-        "window_prefix": [] if raw_windows else sequence_prefix(tokenizer)}
+        "window_prefix": window_prefix(tokenizer, raw_windows)}
     quantized = [s for s in menu if get_scheme(s).quantizes]
     rounded = None
     if gptq_scores and distributed.launch_rank() == 0:

@@ -12,8 +12,9 @@ import torch
 from tqdm.auto import tqdm
 
 from fp4sense.quantization.distill_settings import DistillError
+from fp4sense.validate import set_aside
 
-__all__ = ["STATE_FILE", "set_aside", "train"]
+__all__ = ["STATE_FILE", "train"]
 
 STATE_FILE = "distill-state.pt"
 
@@ -201,18 +202,8 @@ def _load_state(state_dir: Path, key: str, st, log=print) -> dict | None:
         if not isinstance(saved, dict):
             raise ValueError(f"holds a {type(saved).__name__}, not a state")
     except Exception as exc:  # noqa: BLE001 - whatever the file holds, it is not used
-        aside = set_aside(path)
-        log(f"note: the saved training state {path} could not be read "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}); "
-            f"moved to {aside.name}, training starts from the beginning")
+        set_aside(path, exc, "the saved training state", "training starts from the "
+                  "beginning", log)
         return None
     return saved if saved.get("key") == key and saved.get("settings") == asdict(st) else None
-
-
-def set_aside(path: Path) -> Path:
-    """Rename a damaged resume file to ``NAME.damaged`` (kept for inspection, never read
-    again) and return the new path."""
-    aside = path.with_name(path.name + ".damaged")
-    path.replace(aside)
-    return aside
 

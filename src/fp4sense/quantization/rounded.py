@@ -135,7 +135,7 @@ def _readable(path: Path, log) -> bool:
     does not (a truncated copy, another file under its name) is named and set aside."""
     from safetensors import safe_open
 
-    from fp4sense.quantization.qad_loop import set_aside
+    from fp4sense.validate import set_aside
 
     try:
         with safe_open(str(path), "pt", device="cpu") as handle:
@@ -143,9 +143,7 @@ def _readable(path: Path, log) -> bool:
                 handle.get_slice(name)
         return True
     except Exception as exc:  # noqa: BLE001 - safetensors' errors are not OSErrors
-        aside = set_aside(path)
-        log(f"note: {path} could not be read ({type(exc).__name__}); moved to "
-            f"{aside.name}, rounding again")
+        set_aside(path, exc, "the rounded weights", "rounding again", log)
         return False
 
 

@@ -113,10 +113,10 @@ def calibrated_model(source: str, calib: torch.Tensor, recipe: list,
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fp4sense_llmcompressor.storage import FLOAT_DTYPES
+    from fp4sense.inputs.models import STORED_DTYPES
 
     if isinstance(dtype, str):
-        dtype = FLOAT_DTYPES[dtype]
+        dtype = STORED_DTYPES[dtype]
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     data = Dataset.from_dict({"input_ids": calib.tolist(),
                               "attention_mask": torch.ones_like(calib).tolist()})

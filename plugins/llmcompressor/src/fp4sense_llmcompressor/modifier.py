@@ -34,10 +34,11 @@ from pydantic import PrivateAttr
 
 from fp4sense.diagnosis import SensitivityReport, analyze
 from fp4sense.diagnosis.units import model_fingerprint
+from fp4sense.inputs.models import STORED_DTYPES, quantization_dtypes
 from fp4sense.inputs.moe import stored_expert_names
 from fp4sense.numerics.schemes import get_scheme
 from fp4sense.planning.milp import DEFAULT_MENU, Plan, PlanError, solve
-from fp4sense_llmcompressor.storage import FLOAT_DTYPES, store_in
+from fp4sense_llmcompressor.storage import store_in
 
 __all__ = ["SensitivityGuidedModifier"]
 
@@ -162,8 +163,8 @@ def _check_calibration_dtype(path: str, plan: Plan, model: torch.nn.Module) -> N
     from loguru import logger
 
     wanted = plan.calibration.get("dtype")
-    have = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-    if wanted in FLOAT_DTYPES and have is not None and FLOAT_DTYPES[wanted] != have:
+    have = quantization_dtypes(model)[0]
+    if wanted in STORED_DTYPES and STORED_DTYPES[wanted] != have:
         logger.warning(f"{path} was calibrated in {wanted} and this model is loaded in "
                        f"{str(have).removeprefix('torch.')}: the checkpoint will differ "
                        f"slightly from the original; load the model with "

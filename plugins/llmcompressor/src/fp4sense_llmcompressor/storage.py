@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FLOAT_DTYPES", "store_in"]
+from fp4sense.inputs.models import STORED_DTYPES
 
-FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                "float16": torch.float16}
+__all__ = ["store_in"]
+
 #: quantization parameters a format creates in float32 whatever the model's dtype
 _FIXED_FLOAT32 = ("global_scale",)
 
@@ -26,7 +26,7 @@ def store_in(model: torch.nn.Module, dtype: str | torch.dtype) -> int:
     """Cast, in place, what the checkpoint stores in the base's dtype (see the module
     docstring) to ``dtype``; weights that will be compressed stay as calibrated, so their
     codes are the calibration's. Returns how many tensors changed dtype."""
-    target = FLOAT_DTYPES[dtype] if isinstance(dtype, str) else dtype
+    target = STORED_DTYPES[dtype] if isinstance(dtype, str) else dtype
     changed = 0
     for module in model.modules():
         scheme = getattr(module, "quantization_scheme", None)
@@ -35,7 +35,7 @@ def store_in(model: torch.nn.Module, dtype: str | torch.dtype) -> int:
         for name, tensor in module.named_parameters(recurse=False):
             if tensor is None or not tensor.is_floating_point() or tensor.dtype == target:
                 continue
-            if tensor.dtype not in FLOAT_DTYPES.values():  # FP8 block scales and codes
+            if tensor.dtype not in STORED_DTYPES.values():  # FP8 block scales and codes
                 continue
             if name == "weight" and quantized_weight:
                 continue  # compressed at save from the calibrated weight
