@@ -331,7 +331,7 @@ def test_low_memory_names_a_model_whose_files_use_other_names(assets, tmp_path):
     save_file(renamed, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(InputError, match=r"cannot be read block by block from its "
                        r"safetensors files: model\.layers\.1\..* is not stored under that "
-                       r"name .*; analyze it with --offload-dir DIR instead"):
+                       r"name .*; use --offload-dir DIR instead"):
         load_model(path, low_memory=True)
 
 
@@ -509,6 +509,49 @@ def test_a_rank_that_dies_stops_the_others_in_one_line(tmp_path):
     assert procs[0].returncode == 1, err0
     lines = [line for line in err0.strip().splitlines() if line.startswith("fp4sense:")]
     assert len(lines) == 1 and "another rank stopped before the results met" in lines[0]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_under_torchrun_leaves_the_survivor_s_one_line(tiny_llama, assets,
+                                                                     tmp_path):
+    """``torchrun ... -m fp4sense analyze`` with rank 1 killed (SIGKILL) mid-measurement:
+    torchrun stops rank 0 (SIGTERM), whose one line says why before torchrun's report;
+    no traceback of fp4sense's, and no output folder."""
+    import signal
+    import time
+
+    env = {**os.environ, "FP4SENSE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    err = tmp_path / "stderr"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+           f"--master-port={_free_port()}", "-m", "fp4sense", "analyze", str(tiny_llama),
+           "--text", str(assets["calibration"]), "--windows", "16", "--tokens", "512",
+           "--no-plots", "--out", str(tmp_path / "a")]
+    with err.open("w") as stream:
+        launcher = subprocess.Popen(cmd, stderr=stream, stdout=subprocess.DEVNULL, env=env)
+        try:
+            deadline = time.monotonic() + 300
+            while "measuring" not in err.read_text() and launcher.poll() is None:
+                assert time.monotonic() < deadline, err.read_text()[-2000:]
+                time.sleep(0.2)
+            ranks = {}
+            for pid in subprocess.run(["pgrep", "-P", str(launcher.pid)], text=True,
+                                      capture_output=True).stdout.split():
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                ranks.update({int(e[5:]): int(pid) for e in environ if e.startswith(b"RANK=")})
+            os.kill(ranks[1], signal.SIGKILL)
+            launcher.wait(timeout=120)
+        finally:
+            launcher.kill()
+    text = err.read_text()
+    assert launcher.returncode != 0
+    ours = [line for line in text.splitlines() if line.startswith("fp4sense:")]
+    assert len(ours) == 1, text[-3000:]
+    assert ("torchrun stops every rank when one fails" in ours[0]
+            or "another rank stopped" in ours[0]), ours[0]
+    assert text.index(ours[0]) < text.index("ChildFailedError")  # before torchrun's report
+    assert not any("site-packages/fp4sense" in line or "src/fp4sense" in line
+                   for line in text.splitlines() if line.lstrip().startswith("File "))
+    assert not (tmp_path / "a").exists()
 
 
 def _quantize(tiny_llama, text_file, out: Path, ranks: int, env: dict, *extra: str) -> str:

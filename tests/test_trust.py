@@ -161,11 +161,13 @@ def test_push_names_a_path_in_any_text_file(tmp_path):
 
 
 @pytest.mark.parametrize("pin, said", [("x=FOO", "unknown scheme 'FOO'"),
-                                       (".*down_proj=MXFP4", "MXFP4 is not in --menu")],
-                         ids=["unknown", "off-menu"])
+                                       (".*down_proj=MXFP4", "MXFP4 is not in --menu"),
+                                       (".*nothing_here=FP8_DYNAMIC", "matches no unit")],
+                         ids=["unknown", "off-menu", "no-unit"])
 def test_a_wrong_pin_is_named_before_the_estimate(tiny_llama, text_file, tmp_path, pin, said):
     """A pin to an unknown scheme, or to one the menu does not hold (the estimate would not
-    score it), is one line naming --pin, before the model is even loaded."""
+    score it), is one line naming --pin, before the model is even loaded; a pin that
+    matches none of the model's units, once it is loaded, before the estimate."""
     proc = subprocess.run([FP4SENSE, "quantize", str(tiny_llama), "--budget", "5", "--menu",
                            "NVFP4,FP8_DYNAMIC,BF16", "--pin", pin, "--text", str(text_file),
                            *SMALL, "--out", str(tmp_path / "q")], capture_output=True,
@@ -174,6 +176,42 @@ def test_a_wrong_pin_is_named_before_the_estimate(tiny_llama, text_file, tmp_pat
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("fp4sense: error: --pin ") and said in line, line
     assert "estimat" not in proc.stderr and not (tmp_path / "q").exists()
+
+
+def _quantize_line(model, text_file, out: Path, *args) -> str:
+    """The last stderr line of a quantize that must fail in one line, writing nothing."""
+    proc = subprocess.run([FP4SENSE, "quantize", str(model), "--text", str(text_file), *SMALL,
+                           "--out", str(out), *args], capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert not out.exists()
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def test_a_menu_that_quantizes_nothing_is_named_before_the_estimate(tiny_llama, text_file,
+                                                                     tmp_path):
+    line = _quantize_line(tiny_llama, text_file, tmp_path / "q", "--menu", "BF16",
+                          "--budget", "5")
+    assert line.startswith("fp4sense: error: --menu BF16 has no scheme that quantizes"), line
+    assert "--schemes" not in line and "--views" not in line  # analyze's flags
+
+
+def test_a_kl_target_no_quantized_plan_meets_names_the_flag(tiny_llama, text_file, tmp_path):
+    line = _quantize_line(tiny_llama, text_file, tmp_path / "q", "--kl-target", "1e-30")
+    assert line.startswith("fp4sense: error: --kl-target 1e-30 is met only by leaving every "
+                           "unit in BF16"), line
+    assert "give a larger --kl-target or a --budget" in line
+
+
+def test_quantize_low_memory_on_fused_experts_names_a_way_quantize_has(tmp_path, text_file,
+                                                                      assets):
+    """Experts kept as 3-D parameters cannot be streamed block by block: quantize's line
+    says to drop --low-memory (it has no --offload-dir, which analyze's line offers)."""
+    from families import make_family_model
+
+    model = make_family_model("qwen3_moe", tmp_path / "moe", tokenizer_from=assets["model"])
+    line = _quantize_line(model, text_file, tmp_path / "q", "--budget", "5", "--low-memory")
+    assert "3-D parameters" in line and "drop --low-memory" in line, line
+    assert "--offload-dir" not in line
 
 
 def test_a_negative_holdout_is_a_usage_error(tmp_path):
@@ -310,3 +348,23 @@ def test_qad_says_when_it_trains_on_fewer_windows_than_asked():
     assert len(_split(windows, DistillSettings(steps=4, windows=16, holdout=1),
                       said.append)) == 4
     assert len(said) == 1 and "trains on 3 calibration windows, not the 16 asked" in said[0]
+
+
+@pytest.mark.slow
+def test_a_recipe_run_from_another_folder_names_where_its_plan_is_read(quantized, tiny_llama,
+                                                                      tmp_path, monkeypatch):
+    """recipe.yaml names plan.json relative to its folder; llm-compressor reads a recipe's
+    paths from the folder oneshot runs in. Run elsewhere: one line saying so, and how."""
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM
+
+    import fp4sense_llmcompressor  # noqa: F401
+    from fp4sense.planning.milp import PlanError
+    from test_schemes import _calibration
+
+    monkeypatch.chdir(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    with pytest.raises(PlanError, match=r"plan 'plan\.json' not found from the current "
+                       r"folder .*run it from the folder holding recipe\.yaml and plan\.json"):
+        oneshot(model=model, recipe=str(quantized / "recipe.yaml"),
+                dataset=_calibration(tiny_llama), num_calibration_samples=2, max_seq_length=64)

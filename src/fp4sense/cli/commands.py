@@ -21,7 +21,12 @@ from fp4sense.cli.arguments import (
     text_source,
     verify_vllm_args,
 )
-from fp4sense.cli.streams import Terminated, settle_interrupt, sigterm_as_interrupt
+from fp4sense.cli.streams import (
+    Terminated,
+    interrupt_line,
+    settle_interrupt,
+    sigterm_as_interrupt,
+)
 from fp4sense.cli.streams import emit_json as _emit_json
 from fp4sense.cli.streams import stdout_for_json as _stdout_for_json
 
@@ -316,12 +321,9 @@ def run_command(action: Callable[[argparse.Namespace], int], args: argparse.Name
         with sigterm_as_interrupt(), _stdout_for_json(bool(getattr(args, "json", False))):
             return int(action(args))
     except KeyboardInterrupt as exc:
-        term = isinstance(exc, Terminated)
         settle_interrupt(exc)
-        print(f"fp4sense: {'terminated (SIGTERM)' if term else 'interrupted'}; finished "
-              "analysis entries stay cached, no partial output folder is left",
-              file=sys.stderr)
-        return EXIT_TERMINATED if term else EXIT_INTERRUPTED
+        print(interrupt_line(exc), file=sys.stderr)
+        return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
     except Exception as exc:
         code = _exit_code(exc)
         if code is not None:

@@ -11,8 +11,8 @@ import os
 import signal
 import sys
 
-__all__ = ["Terminated", "emit_json", "settle_interrupt", "sigterm_as_interrupt",
-           "stdout_for_json"]
+__all__ = ["Terminated", "emit_json", "interrupt_line", "settle_interrupt",
+           "sigterm_as_interrupt", "stdout_for_json"]
 
 # With --json, stdout carries the JSON document alone: while a command runs, file
 # descriptor 1 points at stderr (hosts log to stdout: llm-compressor's loguru does), and
@@ -74,6 +74,21 @@ def settle_interrupt(exc: BaseException) -> None:
 class Terminated(KeyboardInterrupt):
     """SIGTERM (a scheduler, ``docker stop``, ``timeout``) raised where the work is, so the
     run cleans up exactly as for Ctrl-C."""
+
+
+def interrupt_line(exc: KeyboardInterrupt) -> str:
+    """The one line for Ctrl-C or SIGTERM. Under torchrun (``WORLD_SIZE`` > 1) SIGTERM is
+    how the launcher stops the other ranks when one has failed: the line says so, and
+    torchrun's report that follows names the rank that failed first."""
+    if not isinstance(exc, Terminated):
+        why = "interrupted"
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        why = ("terminated (SIGTERM: torchrun stops every rank when one fails; its report "
+               "below names the rank that failed first)")
+    else:
+        why = "terminated (SIGTERM)"
+    return (f"fp4sense: {why}; finished analysis entries stay cached, no partial output "
+            "folder is left")
 
 
 @contextlib.contextmanager

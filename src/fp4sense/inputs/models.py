@@ -17,12 +17,17 @@ BUNDLED_MODEL_NOTE = ("The bundled SmolLM2-135M-Instruct weights were Q4_1-quant
 #: dtypes a base model's files may store its weights in (a checkpoint of other tensors,
 #: e.g. already quantized, is no base to quantize)
 STORED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: The way out when --low-memory cannot read a model block by block, per command.
+ANALYZE_INSTEAD = "use --offload-dir DIR instead (blocks are copied there, experts split)"
+QUANTIZE_INSTEAD = "drop --low-memory (the estimate then holds the whole model in memory)"
+
 #: Analysis windows by default: the protocol's quick analysis (8 calibration windows).
 DEFAULT_ANALYSIS_WINDOWS = 8
 
 
 def load_model(source: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", low_memory: bool = False):
+               device: str | torch.device = "cpu", low_memory: bool = False,
+               instead: str = ANALYZE_INSTEAD):
     """(model, tokenizer, notes) for a hub id or local folder; None = the bundled model;
     in ``dtype`` on ``device`` (a resolved one, :func:`fp4sense.runtime.devices.resolve`).
 
@@ -33,7 +38,8 @@ def load_model(source: str | os.PathLike | None = None, dtype: torch.dtype = tor
     ``low_memory``: only the weights outside the decoder blocks are loaded; each block's
     are read from the model's own safetensors files when the block runs, and dropped
     after (``model.fp4sense_blocks``, a :class:`~fp4sense.diagnosis.offload.BlockStore`;
-    nothing is copied). Memory then holds one block, not the model."""
+    nothing is copied). Memory then holds one block, not the model. A model that cannot
+    be read so is refused in one line ending with ``instead``: the caller's way out."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fp4sense.publishing.lineage import is_hub_id
@@ -53,7 +59,7 @@ def load_model(source: str | os.PathLike | None = None, dtype: torch.dtype = tor
     try:
         files_dtype = stored_dtype(source)
         if low_memory:
-            model, info = _load_without_blocks(source, dtype)
+            model, info = _load_without_blocks(source, dtype, instead)
         else:
             model, info = AutoModelForCausalLM.from_pretrained(source, dtype=dtype,
                                                                output_loading_info=True)
@@ -75,7 +81,7 @@ def load_model(source: str | os.PathLike | None = None, dtype: torch.dtype = tor
     # what the checkpoint will store unquantized tensors in (the files', not the compute's)
     model.fp4sense_stored_dtype = files_dtype
     if low_memory:
-        _attach_blocks(model, source, text, dtype, device)
+        _attach_blocks(model, source, text, dtype, device, instead)
     else:
         from fp4sense.inputs.moe import linearize_experts
 
@@ -139,7 +145,7 @@ def _weight_files(source) -> dict[str, Path]:
         return dict.fromkeys(fh.keys(), single)
 
 
-def _load_without_blocks(source, dtype: torch.dtype):
+def _load_without_blocks(source, dtype: torch.dtype, instead: str):
     """The model with its weights outside the decoder blocks loaded and its blocks on
     the meta device (built with the full config, each with its index)."""
     import copy
@@ -180,8 +186,7 @@ def _load_without_blocks(source, dtype: torch.dtype):
         from fp4sense.validate import InputError
 
         raise InputError(f"model {str(source)!r} keeps its experts as 3-D parameters, which "
-                         "--low-memory cannot read block by block yet: use --offload-dir DIR "
-                         "instead (the experts are split per expert and copied there)")
+                         f"--low-memory cannot read block by block yet: {instead}")
     blocks_path, blocks = find_blocks(model)
     parent = model.get_submodule(blocks_path.rpartition(".")[0])
     block_config = getattr(parent, "config", model.config).get_text_config()
@@ -196,8 +201,7 @@ def _load_without_blocks(source, dtype: torch.dtype):
                         torch.empty(0, dtype=param.dtype), requires_grad=param.requires_grad)
             if any(b is not None and b.is_meta for b in module._buffers.values()):
                 raise ValueError(f"{block_class.__name__} keeps buffers of its own; fp4sense "
-                                 "cannot build its blocks without loading them: use "
-                                 "--offload-dir DIR instead")
+                                 f"cannot build its blocks without loading them: {instead}")
     for i, block in enumerate(built):
         if i < len(blocks):
             blocks[i] = block
@@ -207,7 +211,7 @@ def _load_without_blocks(source, dtype: torch.dtype):
 
 
 def _attach_blocks(model, source, text: str, dtype: torch.dtype,
-                   device: str | torch.device = "cpu") -> None:
+                   device: str | torch.device = "cpu", instead: str = "") -> None:
     """Read each block's weights from the model's files when it runs (one line naming the
     first weight that is not in them, and the way out)."""
     from fp4sense.diagnosis.offload import BlockStore
@@ -222,8 +226,8 @@ def _attach_blocks(model, source, text: str, dtype: torch.dtype,
     if absent:
         raise InputError(f"model {text!r} cannot be read block by block from its safetensors "
                          f"files: {absent[0]} is not stored under that name"
-                         f"{f' ({len(absent)} weights)' if len(absent) > 1 else ''}; analyze "
-                         "it with --offload-dir DIR instead (blocks are copied there)")
+                         f"{f' ({len(absent)} weights)' if len(absent) > 1 else ''}; "
+                         f"{instead}")
     model.fp4sense_blocks = BlockStore(model, blocks_path, device=device, files=files,
                                        dtype=dtype)
 

@@ -1,4 +1,5 @@
-"""Plans checked by measurement: the additivity correction.
+"""Plans checked: a menu that can quantize before any work, a plan that quantizes before
+it is applied, and by measurement (the additivity correction).
 
 A plan's predicted KL adds up unit scores measured one unit at a time; the damage of the
 whole plan is not their sum (units interact), so the predicted optimum need not be the
@@ -18,7 +19,38 @@ from fp4sense.diagnosis.units import UnitMap
 from fp4sense.numerics.schemes import get_scheme
 from fp4sense.planning.milp import Plan, PlanError, solve
 
-__all__ = ["best_plans", "measure_on", "select_measured", "select_on_calibration"]
+__all__ = ["best_plans", "check_menu", "check_quantizes", "measure_on", "select_measured",
+           "select_on_calibration"]
+
+
+def check_menu(menu) -> None:
+    """``--menu`` holds at least one scheme that quantizes (checked before the model loads)."""
+    if not any(get_scheme(s).quantizes for s in menu):
+        raise PlanError(f"--menu {','.join(menu)} has no scheme that quantizes, so nothing "
+                        "would be quantized; add one (e.g. --menu NVFP4,FP8_DYNAMIC,BF16)")
+
+
+def check_quantizes(plan: Plan, objective: dict, lo: float, hi: float, numel: int,
+                    log: Callable[[str], None]) -> None:
+    """A budget above what the menu can use plans at the menu's top (said in a note); a
+    plan that quantizes nothing is refused, naming the flag that asked for it: it would
+    not be a quantized checkpoint."""
+    bits, size = objective.get("budget_bits"), objective.get("budget_bytes")
+    asked = bits if bits is not None else size * 8 / numel if size is not None else None
+    if asked is not None and asked > hi + 1e-9:
+        log(f"note: the budget ({asked:.3f} bits per weight) is above what the menu can use "
+            f"({hi:.3f}); planned at the menu's top")
+    if any(get_scheme(c.scheme).quantizes for c in plan.choices):
+        return
+    if objective.get("kl_target") is not None:
+        raise PlanError(
+            f"--kl-target {objective['kl_target']:g} is met only by leaving every unit in "
+            "BF16 (quantizing any unit is predicted to cost more), so nothing would be "
+            "quantized; give a larger --kl-target or a --budget")
+    raise PlanError(
+        f"the plan leaves every unit in BF16, so nothing would be quantized; give a "
+        f"budget below {hi:.3f} bits per weight (the menu reaches {lo:.3f}–{hi:.3f}) or "
+        "drop BF16 from the menu")
 
 
 def assignment(plan: Plan) -> dict[str, str]:

@@ -13,7 +13,12 @@ import torch
 
 from fp4sense.evaluation.evaluate import evaluate_checkpoint
 from fp4sense.evaluation.metrics import implausible
-from fp4sense.inputs.models import DEFAULT_ANALYSIS_WINDOWS, analysis_windows, load_model
+from fp4sense.inputs.models import (
+    DEFAULT_ANALYSIS_WINDOWS,
+    QUANTIZE_INSTEAD,
+    analysis_windows,
+    load_model,
+)
 from fp4sense.inputs.moe import stored_expert_names
 from fp4sense.inputs.texts import window_prefix
 from fp4sense.publishing.lineage import text_name
@@ -110,6 +115,7 @@ def quantize_model(
     from fp4sense.diagnosis import analyze
     from fp4sense.numerics.schemes import get_scheme, with_search_twins
     from fp4sense.planning.milp import check_pins
+    from fp4sense.planning.select import check_menu
     from fp4sense.publishing.lineage import hub_id_of, public_name, write_local_record
     from fp4sense.runtime import distributed
     from fp4sense.runtime.devices import resolve
@@ -120,6 +126,7 @@ def quantize_model(
     check_quantize_output(model, out, overwrite=overwrite)
 
     menu = with_search_twins(menu) if scale_search else [get_scheme(s).name for s in menu]
+    check_menu(menu)
     check_pins(pins, menu)  # the schemes now; the units they match when the plan is solved
     placement = resolve(device, dtype, log=log)
     if base_model_id is not None:
@@ -144,9 +151,13 @@ def quantize_model(
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     hf_model, tokenizer, notes = load_model(model, placement.dtype, placement.device,
-                                            low_memory=low_memory)
+                                            low_memory=low_memory, instead=QUANTIZE_INSTEAD)
     source = str(model) if model is not None else hf_model.config._name_or_path
     stored_expert_names(hf_model, source)  # MoE: experts under unpairable names stop here
+    if pins and not low_memory:  # the units pins match, before the estimate (streamed: at
+        from fp4sense.diagnosis.units import find_units  # the plan, as one forward costs)
+
+        check_pins(pins, menu, find_units(hf_model))
     hub_id = hub_id_of(source, base_model_id)
     calib = analysis_windows(tokenizer, text, calib_windows, window_tokens, raw_windows)
     calibration = {"dtype": placement.dtype_name, "stored_dtype": str(
@@ -278,6 +289,7 @@ def _plan(model, report, sensitivity, menu, scale_search: bool, calib, estimate_
     ``rounded``: the scores are after GPTQ, and the selection measures with its weights."""
     from fp4sense.numerics.schemes import get_scheme
     from fp4sense.planning.milp import plan_cost, solve
+    from fp4sense.planning.select import check_quantizes
     from fp4sense.publishing.lineage import public_name
 
     if sensitivity is not None:
@@ -309,29 +321,9 @@ def _plan(model, report, sensitivity, menu, scale_search: bool, calib, estimate_
     plan.calibration = dict(calibration or {})
     log(f"plan: {plan.schemes()}, {plan.bits:.3f} bits per weight (menu reaches "
         f"{lo:.2f}–{hi:.2f}), predicted KL {plan.predicted_kl:.4f}")
-    _check_plan_quantizes(plan, objective["budget_bits"], objective["budget_bytes"], lo, hi,
-                          sum(u.numel for u in report.units.units), log)
+    check_quantizes(plan, objective, lo, hi, sum(u.numel for u in report.units.units), log)
     plan.save(work / "plan.json")  # solved once: the modifier applies this file
     return plan, selection
-
-
-def _check_plan_quantizes(plan, budget_bits: float | None, budget_bytes: int | None,
-                          lo: float, hi: float, numel: int, log: Callable[[str], None]) -> None:
-    """A budget above what the menu can use plans at the menu's top (said in a note); a
-    plan that quantizes nothing is refused: it would not be a quantized checkpoint."""
-    from fp4sense.numerics.schemes import get_scheme
-    from fp4sense.planning.milp import PlanError
-
-    asked = budget_bits if budget_bits is not None else (
-        budget_bytes * 8 / numel if budget_bytes is not None else None)
-    if asked is not None and asked > hi + 1e-9:
-        log(f"note: the budget ({asked:.3f} bits per weight) is above what the menu can use "
-            f"({hi:.3f}); planned at the menu's top")
-    if not any(get_scheme(c.scheme).quantizes for c in plan.choices):
-        raise PlanError(
-            f"the plan leaves every unit in BF16, so nothing would be quantized; give a "
-            f"budget below {hi:.3f} bits per weight (the menu reaches {lo:.3f}–{hi:.3f}) or "
-            "drop BF16 from the menu")
 
 
 def _state_dir(out: Path) -> Path:

@@ -141,6 +141,12 @@ def _saved_plan(path: str, model: torch.nn.Module, fields: SensitivityGuidedModi
     if given:
         raise PlanError(f"SensitivityGuidedModifier: `plan` applies a plan solved before; "
                         f"drop {', '.join(given)} (they would solve another one)")
+    if not Path(path).is_file():
+        where = "" if Path(path).is_absolute() else f" from the current folder ({Path.cwd()})"
+        raise PlanError(f"SensitivityGuidedModifier: plan {path!r} not found{where}; a "
+                        "recipe's paths are read from where oneshot runs, not from the "
+                        "recipe's folder: run it from the folder holding recipe.yaml and "
+                        "plan.json, or give the plan's full path in the recipe")
     plan = Plan.load(path)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     for choice in plan.choices:
