@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["apply_served_activation_quantization", "bake_weights", "load_checkpoint"]
+__all__ = ["apply_online_transforms", "apply_served_activation_quantization", "bake_weights",
+           "load_checkpoint"]
 
 
 @torch.no_grad()
@@ -112,8 +113,36 @@ def load_checkpoint(folder, promote_mxfp4: bool = False, device: str | torch.dev
     model.to(device)
     model(input_ids=torch.tensor([[0, 1]], device=model.device))
     model.to(dtype)
+    rotated = apply_online_transforms(model, folder)
     act_layers, notes = apply_served_activation_quantization(model, promote_mxfp4)
+    if rotated:
+        notes.append(f"{rotated} layers rotate their inputs online (the checkpoint's "
+                     "transform_config, applied by fp4sense: transformers' own load "
+                     "ignores it)")
     return model, act_layers, notes
+
+
+def apply_online_transforms(model: torch.nn.Module, folder) -> int:
+    """Attach the online side (``input``) of the checkpoint's ``transform_config`` with
+    compressed-tensors' own ``apply_transform_config``: its weights already hold the
+    fused side, and transformers' load attaches no transform. Returns how many linears
+    rotate their inputs."""
+    import json
+    from pathlib import Path
+
+    from compressed_tensors.transform import TransformConfig, apply_transform_config
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    given = (config.get("quantization_config") or {}).get("transform_config")
+    if not given:
+        return 0
+    full = TransformConfig.model_validate(given)
+    online = TransformConfig(config_groups={
+        name: scheme.model_copy(update={"apply": [a for a in scheme.apply if a.is_online()]})
+        for name, scheme in full.config_groups.items()})
+    apply_transform_config(model, online)
+    return sum(1 for m in model.modules()
+               if any(type(c).__name__ == "HadamardTransform" for c in m.children()))
 
 
 def _has_fused_experts(folder) -> bool:

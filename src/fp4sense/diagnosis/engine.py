@@ -24,11 +24,11 @@ from fp4sense.diagnosis.cache import EntryCache
 from fp4sense.diagnosis.experts import expert_hooks
 from fp4sense.diagnosis.footprint import BASE_LOGPROB_BYTES, WEIGHT_CACHE_BYTES
 from fp4sense.diagnosis.offload import BlockStore, Originals
-from fp4sense.diagnosis.stats import mean_se
+from fp4sense.diagnosis.stats import InputStats, mean_se
 from fp4sense.diagnosis.units import Unit, UnitMap, quantize_unit
 from fp4sense.evaluation.metrics import window_metrics
 from fp4sense.inputs.models import quantization_dtypes
-from fp4sense.numerics.fakequant import activation_quantizer
+from fp4sense.numerics.fakequant import activation_quantizer, input_absmax
 from fp4sense.runtime.memory import mapped_allocations
 
 __all__ = ["Analysis", "Perturbation"]
@@ -65,6 +65,7 @@ class Analysis:
         self.base_ppl_value = float("nan")
         self.block_forwards = 0
         self.routing: dict[str, list[int]] = {}  # MoE unit -> tokens routed to each expert
+        self.rotations: tuple[int, ...] = ()  # the rotated schemes' widths (their input maxima)
         # the unquantized weights (perturbations swap .data and put these back)
         attached = getattr(model, "fp4sense_blocks", None)  # load_model(low_memory=True)
         if attached is not None:
@@ -133,8 +134,7 @@ class Analysis:
         self.block_out = [[None] * n for _ in range(self.units.n_blocks)]
         self.base_lp = []
         nll: list[float] = []
-        stats = {m: {"absmax": 0.0, "p999": [], "sq": None, "rows": 0}
-                 for m in self.units.linears()}
+        stats = InputStats(self.units.linears(), self.rotations)
         self.calls = [[None] * n for _ in range(self.units.n_blocks)]
         self.first_in = [None] * n
         current = {"i": 0}
@@ -156,22 +156,14 @@ class Analysis:
 
         def stat_hook(name):
             def hook(module, args):
-                rows = args[0].detach().float().reshape(-1, args[0].shape[-1])
-                x = rows.abs().reshape(-1)
-                s = stats[name]
-                sq = rows.square().sum(0)
-                s["sq"] = sq if s["sq"] is None else s["sq"] + sq
-                s["rows"] += rows.shape[0]
-                s["absmax"] = max(s["absmax"], float(x.max()))
-                k = max(1, int(round(0.001 * x.numel())))
-                s["p999"].append(float(x.topk(k).values[-1]))
+                stats.add(name, args[0])
             return hook
 
         experts = {m for u in self.units.units if u.experts for m in u.modules}
         handles = [b.register_forward_hook(block_hook(i)) for i, b in enumerate(self.blocks)]
         handles += [b.register_forward_pre_hook(call_hook(i), with_kwargs=True)
                     for i, b in enumerate(self.blocks)]
-        handles += [self.modules[m].register_forward_pre_hook(stat_hook(m)) for m in stats
+        handles += [self.modules[m].register_forward_pre_hook(stat_hook(m)) for m in stats.acc
                     if m not in experts]
         expert_handles, self.routing = expert_hooks(self.modules, self.units, stat_hook)
         handles += expert_handles
@@ -191,13 +183,7 @@ class Analysis:
                 h.remove()
         self.block_forwards += n * self.units.n_blocks
         self.base_ppl_value = math.exp(float(np.mean(nll)))
-        self.stats = {}
-        for m, s in stats.items():
-            if s["rows"]:
-                self.importance[m] = s["sq"] / s["rows"]
-            p999 = float(np.mean(s["p999"]))
-            self.stats[m] = {"absmax": s["absmax"], "p999": p999,
-                             "outlier_ratio": s["absmax"] / p999 if p999 > 0 else float("inf")}
+        self.stats, self.importance = stats.finish()
 
     # --- perturbations ------------------------------------------------------------------
     @contextmanager
@@ -225,7 +211,7 @@ class Analysis:
                         saved.append((mod, mod.weight.data))
                         mod.weight.data = qw
                     quantize_input = activation_quantizer(
-                        scheme, self.stats[name]["absmax"] if self.stats else None)
+                        scheme, input_absmax(self.stats[name], scheme) if self.stats else None)
                     if quantize_input is not None:
                         handles.append(mod.register_forward_pre_hook(
                             lambda _m, args, q=quantize_input: (q(args[0]), *args[1:])))

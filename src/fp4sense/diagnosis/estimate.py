@@ -31,7 +31,7 @@ from fp4sense.diagnosis.blockio import (
     with_hidden,
     with_hidden_input,
 )
-from fp4sense.numerics.fakequant import activation_quantizer
+from fp4sense.numerics.fakequant import activation_quantizer, input_absmax
 
 __all__ = ["estimate", "streamed_input_bytes", "window_generator"]
 
@@ -62,7 +62,7 @@ class _Scorer:
         self.unit_of = {m: u for u in run.units.units for m in u.modules}
         self.feasible = {(m, s) for m in run.units.linears() for s in schemes
                          if self.unit_of[m].why_infeasible(s) is None}
-        self.acts = {(m, s): activation_quantizer(s, run.stats[m]["absmax"])
+        self.acts = {(m, s): activation_quantizer(s, input_absmax(run.stats[m], s))
                      for m, s in self.feasible}
         self.inputs: dict[str, torch.Tensor] = {}
         self.outputs: dict[str, torch.Tensor] = {}

@@ -1,5 +1,6 @@
-"""Statistics over analysis windows: mean and standard error, and the rank agreement of
-estimated with measured damage (Spearman's rho, scipy's)."""
+"""Statistics over analysis windows: each linear's input statistics (``InputStats``),
+mean and standard error, and the rank agreement of estimated with measured damage
+(Spearman's rho, scipy's)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,51 @@ import math
 import warnings
 
 import numpy as np
+import torch
 from scipy import stats
 
 from fp4sense.diagnosis.results import SensitivityReport
+from fp4sense.numerics.rotation import rotate_input
 
-__all__ = ["correlations", "mean_se"]
+__all__ = ["InputStats", "correlations", "mean_se"]
+
+
+class InputStats:
+    """Per linear, over the base pass: the input's absolute maximum (the NVFP4 input
+    global scale is made from it), that of the input rotated by each of ``rotations``
+    (``absmax_h16``, ...: a rotated scheme's), the mean of each window's 99.9th
+    percentile, and E[x^2] per input channel (weights the scale search)."""
+
+    def __init__(self, names, rotations=()):
+        self.rotations = tuple(rotations)
+        self.acc = {m: {"absmax": 0.0, "p999": [], "sq": None, "rows": 0} for m in names}
+
+    def add(self, name: str, x: torch.Tensor) -> None:
+        rows = x.detach().float().reshape(-1, x.shape[-1])
+        flat = rows.abs().reshape(-1)
+        s = self.acc[name]
+        sq = rows.square().sum(0)
+        s["sq"] = sq if s["sq"] is None else s["sq"] + sq
+        s["rows"] += rows.shape[0]
+        s["absmax"] = max(s["absmax"], float(flat.max()))
+        k = max(1, int(round(0.001 * flat.numel())))
+        s["p999"].append(float(flat.topk(k).values[-1]))
+        for size in self.rotations:  # rotated in the input's dtype, as the host does
+            if x.shape[-1] % size == 0:
+                key = f"absmax_h{size}"
+                s[key] = max(s.get(key, 0.0), float(rotate_input(x.detach(), size).abs().max()))
+
+    def finish(self) -> tuple[dict[str, dict], dict[str, torch.Tensor]]:
+        """(linear -> statistics, linear -> E[x^2] per input channel)."""
+        out, importance = {}, {}
+        for m, s in self.acc.items():
+            if s["rows"]:
+                importance[m] = s["sq"] / s["rows"]
+            p999 = float(np.mean(s["p999"]))
+            out[m] = {"absmax": s["absmax"], "p999": p999,
+                      "outlier_ratio": s["absmax"] / p999 if p999 > 0 else float("inf"),
+                      **{k: v for k, v in s.items() if k.startswith("absmax_h")}}
+        return out, importance
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:

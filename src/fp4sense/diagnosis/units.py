@@ -89,7 +89,11 @@ class Unit:
 
     def why_infeasible(self, scheme: str) -> str | None:
         """Why ``scheme`` cannot take this unit, or None when it can."""
-        need = get_scheme(scheme).block_size
+        s = get_scheme(scheme)
+        if s.rotation and self.experts:
+            return ("vLLM applies no input transform to fused MoE experts, so they take no "
+                    "rotated scheme")
+        need = s.block_size
         for width in dict.fromkeys(self.inputs):
             if need and width % need:
                 return (f"input dimension {width} is not divisible by {scheme}'s "

@@ -45,7 +45,7 @@ from fp4sense.diagnosis.results import Entry, SensitivityReport
 from fp4sense.diagnosis.stats import correlations, mean_se
 from fp4sense.diagnosis.units import Unit, UnitMap, find_units, model_fingerprint, model_name
 from fp4sense.inputs.models import quantization_dtypes
-from fp4sense.numerics.schemes import get_scheme
+from fp4sense.numerics.schemes import get_scheme, rotations_of
 from fp4sense.runtime import distributed
 
 __all__ = ["MODES", "REPORT_VIEWS", "VIEWS", "ReportView", "analyze", "check_request",
@@ -239,6 +239,7 @@ def analyze(
                    Path(offload_dir) if offload_dir is not None else None, device,
                    rounded=rounded)
     run.qweight_limit = weights
+    run.rotations = rotations_of(schemes)
     try:
         return _run_views(run, model, windows, units, cache, schemes, views, modes,
                           grid_blocks, text, context, fingerprint, key, t0, log)

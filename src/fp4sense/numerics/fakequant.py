@@ -24,14 +24,16 @@ the temporaries of a large weight stay the size of a slice.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
 
 from fp4sense.numerics import formats, fp4
-from fp4sense.numerics.schemes import Scheme, get_scheme, to_quantization_scheme
+from fp4sense.numerics.rotation import rotate_input, rotate_weight
+from fp4sense.numerics.schemes import MENU, Scheme, get_scheme, to_quantization_scheme
 
-__all__ = ["activation_quantizer", "quantize_weights", "searched_scales"]
+__all__ = ["activation_quantizer", "input_absmax", "quantize_weights", "searched_scales"]
 
 #: elements of one weight quantized at once (bounds the temporaries, not the result)
 ROW_SLICE_ELEMENTS = 1 << 20
@@ -100,15 +102,20 @@ def quantize_weights(
     the ``*_SEARCH`` schemes; without it the search minimizes the plain weight error.
     ``block_scales`` (one per part, from :func:`searched_scales`) are used instead of
     searching again.
+
+    A rotated scheme's weights come back in the rotated basis (``Q(W R)``, what the
+    checkpoint stores): use them with :func:`activation_quantizer`'s function, which
+    rotates the input (``Q(x R) Q(W R)^T``, what vLLM computes).
     """
     s = get_scheme(scheme)
     pick = (lambda xs: xs) if only is None else (lambda xs: [xs[only]])
     out_dtype = [out_dtype or w.dtype for w in pick(weights)]
-    if s.is_fp4 and formats.get_format(s.weight_format).has_global_scale:
-        gs = formats.global_scale(*[w.detach().to(dtype) for w in weights])
-    else:
-        gs = None
-    ws = [w.detach().to(dtype) for w in pick(weights)]
+    shared = s.is_fp4 and formats.get_format(s.weight_format).has_global_scale
+    # in the calibration dtype; a rotated scheme's in the rotated basis (W R), as stored
+    ready = [_prepared(w, dtype, s.rotation) if shared or only is None or i == only else None
+             for i, w in enumerate(weights)]
+    gs = formats.global_scale(*ready) if shared else None
+    ws = pick(ready)
     if importance is not None:
         importance = pick(list(importance))
     if block_scales is not None:
@@ -126,6 +133,15 @@ def quantize_weights(
     args = to_quantization_scheme(s, ["Linear"]).weights
     return [_by_rows(w, lambda rows, w=w: _minmax_qdq(w[rows], args, scale_dtype), d)
             for w, d in zip(ws, out_dtype, strict=True)]
+
+
+def _prepared(weight: torch.Tensor, dtype: torch.dtype, rotation: int | None) -> torch.Tensor:
+    """``weight`` in ``dtype``; with ``rotation``, rotated (``W R``) a slice of rows at a
+    time (the rotation mixes columns only: the same bits as the whole tensor at once)."""
+    w = weight.detach().to(dtype)
+    if rotation is None:
+        return w
+    return _by_rows(w, lambda rows: rotate_weight(w[rows], rotation), dtype)
 
 
 def searched_scales(
@@ -160,7 +176,9 @@ def activation_quantizer(
 ) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """A function fake-quantizing a linear's input as ``scheme`` serves it, or None when
     the scheme keeps activations in 16 bits. NVFP4 needs ``input_amax`` (its static
-    input global scale is made from it, as llm-compressor calibrates it).
+    input global scale is made from it, as llm-compressor calibrates it). A rotated
+    scheme always has one: it rotates the input (``x R``), then quantizes it as its
+    unrotated scheme does (``input_amax``: the rotated input's, :func:`input_absmax`).
 
     FP4 inputs go through :func:`fp4sense.numerics.fp4.quantize_dequantize_activations`, the
     one activation quantizer; FP8 / INT8 through compressed-tensors' ``forward_quantize``.
@@ -170,6 +188,9 @@ def activation_quantizer(
     from compressed_tensors.quantization.utils import generate_gparam
 
     s = get_scheme(scheme)
+    if s.rotation is not None:  # the input rotated first (amax: of the rotated input)
+        plain = activation_quantizer(MENU[s.preset], input_amax)
+        return functools.partial(_rotated_input, rotation=s.rotation, then=plain)
     if s.activations is None:
         return None
     if s.is_fp4:
@@ -196,3 +217,16 @@ def activation_quantizer(
         return forward_quantize(holder, x, "input", args)
 
     return quantize
+
+
+def input_absmax(stats: dict, scheme: str | Scheme) -> float | None:
+    """The input maximum ``scheme`` calibrates its input global scale from, out of one
+    linear's base-pass statistics: the rotated input's for a rotated scheme."""
+    rotation = get_scheme(scheme).rotation
+    return stats.get("absmax" if rotation is None else f"absmax_h{rotation}")
+
+
+def _rotated_input(x: torch.Tensor, rotation: int,
+                   then: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    x = rotate_input(x, rotation)
+    return x if then is None else then(x)

@@ -15,6 +15,7 @@ the block amax. The search itself is an llm-compressor observer
 
 from __future__ import annotations
 
+import math
 from copy import deepcopy
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ __all__ = [
     "get_scheme",
     "menu_name_of",
     "register_presets",
+    "rotations_of",
     "to_quantization_scheme",
     "with_search_twins",
 ]
@@ -56,6 +58,9 @@ class Scheme:
     activations: str | None  # fp4 | fp8 | int8 | None (weight-only)
     scale_search: bool = False
     description: str = ""
+    #: width of the block-Hadamard rotation applied to the input and the weight before
+    #: quantization (:mod:`fp4sense.numerics.rotation`); None: not rotated
+    rotation: int | None = None
 
     @property
     def quantizes(self) -> bool:
@@ -75,7 +80,8 @@ class Scheme:
     def block_size(self) -> int | None:
         """Input-dimension granularity the weight format needs (None: any size)."""
         if self.is_fp4:
-            return get_format(self.weight_format).block_size
+            size = get_format(self.weight_format).block_size
+            return size if self.rotation is None else math.lcm(size, self.rotation)
         if self.weight_format == "int4":
             return INT4_GROUP_SIZE
         return None
@@ -95,6 +101,13 @@ _MENU_LIST = [
     Scheme("INT8", "W8A8", "int8", "int8", description="INT8 W8A8 (per-channel / per-token)"),
     Scheme("INT4", "W4A16", "int4", None, description="INT4 weights, group 128 (W4A16)"),
     Scheme("BF16", None, None, None, description="left unquantized"),
+    *(Scheme(f"{base}_H{size}", base, fmt, act, rotation=size,
+             description=f"{base} after a {size}-wide block-Hadamard rotation")
+      for base, fmt, act, sizes in (("NVFP4", "nvfp4", "fp4", (16, 128)),
+                                    ("NVFP4A16", "nvfp4", None, (16, 128)),
+                                    ("MXFP4", "mxfp4", "fp4", (32, 128)),
+                                    ("MXFP4A16", "mxfp4", None, (32, 128)))
+      for size in sizes),
 ]
 MENU: dict[str, Scheme] = {s.name: s for s in _MENU_LIST}
 
@@ -107,6 +120,11 @@ def get_scheme(name: str | Scheme) -> Scheme:
     if key not in MENU:
         raise SchemeError(f"unknown scheme {name!r}; the menu is: {', '.join(MENU)}")
     return MENU[key]
+
+
+def rotations_of(schemes) -> tuple[int, ...]:
+    """The rotation widths the rotated schemes among ``schemes`` use (sorted)."""
+    return tuple(sorted({get_scheme(s).rotation for s in schemes} - {None}))
 
 
 def with_search_twins(menu) -> list[str]:
@@ -162,7 +180,7 @@ def menu_name_of(qscheme) -> str | None:
     got = (_signature(qscheme.weights), _signature(qscheme.input_activations),
            _signature(qscheme.output_activations))
     for scheme in MENU.values():
-        if not scheme.quantizes:
+        if not scheme.quantizes or scheme.rotation:
             continue
         ref = to_quantization_scheme(scheme, list(qscheme.targets))
         if got == (_signature(ref.weights), _signature(ref.input_activations),
@@ -179,8 +197,8 @@ def register_presets() -> list[str]:
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
     added = []
-    for scheme in MENU.values():
-        if not scheme.quantizes or scheme.name in PRESET_SCHEMES:
+    for scheme in MENU.values():  # (a rotation is no quantization scheme: transform_config)
+        if not scheme.quantizes or scheme.rotation or scheme.name in PRESET_SCHEMES:
             continue
         PRESET_SCHEMES[scheme.name] = _preset_args(scheme)
         added.append(scheme.name)

@@ -16,7 +16,7 @@ import torch
 
 from fp4sense.diagnosis import SensitivityReport
 from fp4sense.diagnosis.units import UnitMap
-from fp4sense.numerics.schemes import get_scheme
+from fp4sense.numerics.schemes import get_scheme, rotations_of
 from fp4sense.planning.milp import Plan, PlanError, solve
 
 __all__ = ["best_plans", "check_menu", "check_quantizes", "measure_on", "select_measured",
@@ -91,17 +91,19 @@ def select_measured(report: SensitivityReport, measure: Callable[[dict[str, str]
     return plans[best], trials
 
 
-def measure_on(model: torch.nn.Module, units: UnitMap, windows: torch.Tensor, rounded=None
-               ) -> Callable[[dict[str, str]], float]:
+def measure_on(model: torch.nn.Module, units: UnitMap, windows: torch.Tensor, rounded=None,
+               schemes=()) -> Callable[[dict[str, str]], float]:
     """unit -> scheme assignment -> the KL it measures on ``windows`` (fp4sense's bit-exact
     fake quantization of every unit at once; one base pass, made here, gives the input
     scales and the scale-search weights from these windows). ``rounded``: the quantized
-    weights of the schemes it covers are its (GPTQ's), not round-to-nearest."""
+    weights of the schemes it covers are its (GPTQ's), not round-to-nearest; ``schemes``:
+    those the assignments may hold (a rotated one's input maxima are taken then)."""
     from fp4sense.diagnosis.cache import EntryCache
     from fp4sense.diagnosis.engine import Analysis
 
     judge = Analysis(model, windows, units, EntryCache(None), progress=False,
                      rounded=rounded)
+    judge.rotations = rotations_of(schemes)
     judge.base_pass()
     by_name = units.by_name()
 
@@ -124,7 +126,9 @@ def select_on_calibration(model, report: SensitivityReport, calib: torch.Tensor,
         log("note: no calibration windows beyond the estimate's; plans are measured on "
             "the estimate's own (raise --calib-windows)")
     plan, trials = select_measured(report, measure_on(model, report.units, windows,
-                                                      rounded=rounded), k=k, **objective)
+                                                      rounded=rounded,
+                                                      schemes=objective.get("menu", ())),
+                                   k=k, **objective)
     rank = next(i for i, t in enumerate(trials) if t.get("kept"))
     log(f"selection: {len(trials)} plans measured on {len(windows)} calibration windows; "
         f"kept the one ranked {rank + 1} by prediction (measured KL "

@@ -2,8 +2,9 @@
 
 vLLM calls :func:`register` in every process it starts. On vLLM's CPU platform it makes
 compressed-tensors NVFP4, NVFP4A16, MXFP4 and MXFP4A16 checkpoints load and run with
-software emulation (see :mod:`fp4sense_vllm.kernels`); on CUDA / ROCm / XPU it changes
-nothing and logs one line, so native kernels are used.
+software emulation (see :mod:`fp4sense_vllm.kernels`), and block-Hadamard input
+transforms (rotated schemes) with a CPU kernel for vLLM's ``hadacore_transform`` op; on
+CUDA / ROCm / XPU it changes nothing and logs one line, so native kernels are used.
 
 Facts vLLM's own source decides, which users should know:
 
@@ -69,6 +70,35 @@ def _register_cpu_kernels() -> None:
     init_nvfp4_linear_kernel._fp4sense_wrapped = True  # type: ignore[attr-defined]
     nvfp4_scheme.init_nvfp4_linear_kernel = init_nvfp4_linear_kernel
     _register_cpu_moe()
+    _register_cpu_hadacore()
+
+
+_HADACORE_LIBRARY = None
+
+
+def _register_cpu_hadacore() -> None:
+    """vLLM applies a checkpoint's ``hadamard`` input transforms with
+    ``torch.ops._C.hadacore_transform``, a CUDA kernel its CPU build lacks: define the op
+    for the CPU (a normalized Walsh-Hadamard transform over the last dimension, computed
+    as compressed-tensors' transform computes it at calibration,
+    :func:`fp4sense.numerics.rotation.rotate_input`), with a fake for tracing."""
+    global _HADACORE_LIBRARY
+    if _HADACORE_LIBRARY is not None or hasattr(torch.ops._C, "hadacore_transform"):
+        return
+    from fp4sense.numerics.rotation import rotate_input
+
+    library = torch.library.Library("_C", "FRAGMENT")
+    library.define("hadacore_transform(Tensor(a!) x, bool inplace) -> Tensor")
+
+    def hadacore_transform(x: torch.Tensor, inplace: bool) -> torch.Tensor:
+        y = rotate_input(x, x.shape[-1])
+        return x.copy_(y) if inplace else y
+
+    library.impl("hadacore_transform", hadacore_transform, "CPU")
+    library._register_fake("hadacore_transform", lambda x, inplace: (
+        x if inplace else torch.empty_like(x)))
+    _HADACORE_LIBRARY = library
+    logger.info("fp4sense: Hadamard input transforms on CPU use a dense float64 kernel")
 
 
 def _register_cpu_moe() -> None:
