@@ -44,11 +44,10 @@ def test_theoretical_bits():
 
 
 def test_presets_registered_for_quantization_modifier():
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     import fp4sense_llmcompressor  # noqa: F401  (registers presets and the observer)
-
-    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
     for name, scheme in MENU.items():
         if scheme.rotation:  # a rotation is a transform_config, not a preset: never one

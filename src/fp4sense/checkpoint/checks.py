@@ -257,16 +257,22 @@ _LINEAR_SUFFIXES = ("weight", "weight_packed", "weight_scale", "weight_zero_poin
 
 def effective_bits(folder) -> dict:
     """Measured bits per weight of a saved checkpoint (protocol.md): bytes of every stored
-    tensor of the quantizable linears (all linears but the embeddings and lm_head) x 8
-    over their number of weights. Read from the safetensors headers, no weights loaded.
+    tensor of the quantizable linears (all linears but the embeddings and lm_head), and
+    of the transform matrices rotated schemes store (``transform_bytes``), x 8 over the
+    linears' number of weights. Read from the safetensors headers, no weights loaded.
     """
     tensors = tensor_index(Path(folder))
     modules: dict[str, dict[str, dict]] = {}
+    transform_bytes = 0  # a rotated scheme's transform matrices (one per width, tied)
+    transforms = _transform_modules(Path(folder))
     for name, entry in tensors.items():
         module, _, leaf = name.rpartition(".")
-        if leaf in _LINEAR_SUFFIXES:
+        if module.rpartition(".")[2] in transforms:
+            transform_bytes += entry["nbytes"]
+        elif leaf in _LINEAR_SUFFIXES:
             modules.setdefault(module, {})[leaf] = entry
-    stored = weights = 0
+    stored = transform_bytes
+    weights = 0
     linears = 0
     for module, parts in modules.items():
         if "embed" in module or module.endswith("lm_head"):
@@ -287,4 +293,14 @@ def effective_bits(folder) -> dict:
     if not weights:
         raise ValueError(f"{folder}: no linear weights found in the checkpoint")
     return {"bits": stored * 8 / weights, "bytes": stored, "weights": weights,
-            "linears": linears}
+            "linears": linears, "transform_bytes": transform_bytes}
+
+
+def _transform_modules(folder: Path) -> set[str]:
+    """The names compressed-tensors gives the transform modules it attaches under a
+    linear (``<config group>_<location>``), from the checkpoint's ``transform_config``."""
+    config = json.loads((folder / "config.json").read_text())
+    given = (config.get("quantization_config") or {}).get("transform_config") or {}
+    return {f"{group}_{args['location']}"
+            for group, scheme in (given.get("config_groups") or {}).items()
+            for args in scheme.get("apply", ())}

@@ -126,7 +126,7 @@ def quantize_model(
     check_quantize_output(model, out, overwrite=overwrite)
 
     menu = with_search_twins(menu) if scale_search else [get_scheme(s).name for s in menu]
-    check_menu(menu)
+    check_menu(menu, distill=distill is not None, gptq_scores=gptq_scores)
     check_pins(pins, menu)  # the schemes now; the units they match when the plan is solved
     placement = resolve(device, dtype, log=log)
     if base_model_id is not None:

@@ -45,9 +45,8 @@ def quantize_with_plan(source: str, calib: torch.Tensor, work: Path, *, plan: st
 
     work = Path(work)
     dtype = calibration_dtype(work / plan)
-    recipe, stage = _rotations(Plan.load(work / plan))
-    recipe.append(SensitivityGuidedModifier(plan=str(work / plan)))
-    stage["SensitivityGuidedModifier"] = {"plan": plan}
+    recipe = [SensitivityGuidedModifier(plan=str(work / plan))]
+    stage: dict = {"SensitivityGuidedModifier": {"plan": plan}}
     if gptq:
         from llmcompressor.modifiers.gptq import GPTQModifier
 
@@ -79,22 +78,6 @@ def calibration_dtype(plan_file: str | Path) -> str:
     from fp4sense.planning.milp import Plan
 
     return Plan.load(plan_file).calibration.get("dtype", "bfloat16")
-
-
-def _rotations(plan) -> tuple[list, dict]:
-    """The plan's rotations as llm-compressor's QuIPModifier with an explicit
-    ``transform_config`` (per-unit targets: what the modifier lacks), first in the recipe
-    (the transforms are in place before the quantization calibrates); its YAML."""
-    from fp4sense.numerics.rotation import TRANSFORM_TYPE, transform_config
-
-    config = transform_config(plan.targets())
-    if config is None:
-        return [], {}
-    from llmcompressor.modifiers.transform import QuIPModifier
-
-    fields = {"transform_type": TRANSFORM_TYPE,
-              "transform_config": config.model_dump(mode="json")}
-    return [QuIPModifier(**fields)], {"QuIPModifier": fields}
 
 
 def round_with_plan(source: str, calib: torch.Tensor, out_file: Path, *, plan: str) -> int:

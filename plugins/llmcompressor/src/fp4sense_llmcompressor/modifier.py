@@ -4,7 +4,9 @@ At initialization it takes a saved plan (``plan: plan.json``, as ``fp4sense quan
 writes and its recipe.yaml names), or reads (or computes) a sensitivity report and solves
 the budgeted plan with :func:`fp4sense.planning.milp.solve`, and quantizes with the plan's
 config groups
-(``group_0 … group_N``, fused groups whole, lm_head and embeddings untouched). From
+(``group_0 … group_N``, fused groups whole, lm_head and embeddings untouched); units
+given a rotated scheme (``NVFP4_H16``, ...) are rotated when calibration starts, as
+llm-compressor's QuIPModifier rotates (the checkpoint's ``transform_config``). From
 then on it is llm-compressor's own QuantizationModifier: same calibration, same
 checkpoint. Usable from Python and from YAML recipes once this package is imported::
 
@@ -28,7 +30,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from llmcompressor.core import State
+from compressed_tensors import TRANSFORM_CONFIG_NAME
+from compressed_tensors.transform import apply_transform_config
+from llmcompressor.core import Event, State
 from llmcompressor.modifiers.quantization import QuantizationModifier
 from pydantic import PrivateAttr
 
@@ -36,6 +40,7 @@ from fp4sense.diagnosis import SensitivityReport, analyze
 from fp4sense.diagnosis.units import model_fingerprint
 from fp4sense.inputs.models import STORED_DTYPES, quantization_dtypes
 from fp4sense.inputs.moe import stored_expert_names
+from fp4sense.numerics.rotation import transform_config
 from fp4sense.numerics.schemes import get_scheme
 from fp4sense.planning.milp import DEFAULT_MENU, Plan, PlanError, solve
 from fp4sense_llmcompressor.storage import store_in
@@ -109,6 +114,19 @@ class SensitivityGuidedModifier(QuantizationModifier):
         self.ignore = sorted(set(self.ignore) | set(outside))
         self._resolved_config = None  # resolved once at construction, before the plan
         return super().on_initialize(state, **kwargs)
+
+    def on_calibration_start(self, state: State, event: Event, **kwargs):
+        """Rotate the units the plan gives a rotated scheme (compressed-tensors'
+        ``apply_transform_config``, as llm-compressor's QuIPModifier does, with the
+        plan's per-unit targets), then calibrate as QuantizationModifier does."""
+        config = transform_config(self._plan.targets()) if self._plan is not None else None
+        if config is not None:
+            if getattr(state.model, TRANSFORM_CONFIG_NAME, None) is not None:
+                raise PlanError("SensitivityGuidedModifier: the plan rotates units itself "
+                                "and the model has transforms already (another transform "
+                                "modifier in the recipe); drop that modifier")
+            apply_transform_config(state.model, config)
+        return super().on_calibration_start(state, event, **kwargs)
 
     def on_finalize(self, state: State, **kwargs) -> bool:
         """Finish as llm-compressor does, then store in the base's dtype what the

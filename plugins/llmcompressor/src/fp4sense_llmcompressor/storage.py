@@ -7,7 +7,9 @@ quantized weights as their formats pack them, and every tensor left unquantized
 (embeddings, norms, lm_head, biases, BF16 units) and every scale whose dtype follows the
 weight's (FP8 / INT per-channel or per-group scales) in the base's dtype, so
 transformers and vLLM load it unchanged. Scales a format fixes (NVFP4's FP8 block
-scales and float32 global scales, MXFP4's exponents) are left as they are.
+scales and float32 global scales, MXFP4's exponents) are left as they are. A rotated
+scheme's Hadamard matrices (+-1 entries, computed in float64 at calibration) are stored
+in the base's dtype too: exact, and what vLLM loads them in.
 """
 
 from __future__ import annotations
@@ -26,9 +28,16 @@ def store_in(model: torch.nn.Module, dtype: str | torch.dtype) -> int:
     """Cast, in place, what the checkpoint stores in the base's dtype (see the module
     docstring) to ``dtype``; weights that will be compressed stay as calibrated, so their
     codes are the calibration's. Returns how many tensors changed dtype."""
+    from compressed_tensors.transform.factory.base import TransformBase
+
     target = STORED_DTYPES[dtype] if isinstance(dtype, str) else dtype
     changed = 0
     for module in model.modules():
+        if isinstance(module, TransformBase):  # Hadamard blocks: +-1, exact in any dtype
+            for tensor in module.parameters(recurse=False):
+                if tensor.is_floating_point() and tensor.dtype != target:
+                    tensor.data, changed = tensor.data.to(target), changed + 1
+            continue
         scheme = getattr(module, "quantization_scheme", None)
         quantized_weight = scheme is not None and scheme.weights is not None
         # parameters only: buffers (rotary frequencies) stay as transformers builds them
