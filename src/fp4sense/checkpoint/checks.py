@@ -13,7 +13,7 @@ import torch
 from compressed_tensors.utils.match import match_name
 
 __all__ = ["TOKENIZER_CONFIG", "VOCABULARIES", "CheckpointError", "check_checkpoint",
-           "checkpoint_tokenizer", "effective_bits", "tensor_index"]
+           "checkpoint_tokenizer", "effective_bits", "tensor_index", "transform_modules"]
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 VOCABULARIES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -264,7 +264,7 @@ def effective_bits(folder) -> dict:
     tensors = tensor_index(Path(folder))
     modules: dict[str, dict[str, dict]] = {}
     transform_bytes = 0  # a rotated scheme's transform matrices (one per width, tied)
-    transforms = _transform_modules(Path(folder))
+    transforms = transform_modules(Path(folder))
     for name, entry in tensors.items():
         module, _, leaf = name.rpartition(".")
         if module.rpartition(".")[2] in transforms:
@@ -296,7 +296,7 @@ def effective_bits(folder) -> dict:
             "linears": linears, "transform_bytes": transform_bytes}
 
 
-def _transform_modules(folder: Path) -> set[str]:
+def transform_modules(folder: Path) -> set[str]:
     """The names compressed-tensors gives the transform modules it attaches under a
     linear (``<config group>_<location>``), from the checkpoint's ``transform_config``."""
     config = json.loads((folder / "config.json").read_text())

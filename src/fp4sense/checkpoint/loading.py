@@ -182,6 +182,7 @@ def _load_linearized(folder) -> torch.nn.Module:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from fp4sense.checkpoint.checks import transform_modules
     from fp4sense.inputs.moe import linearize_experts
     from fp4sense.validate import InputError
 
@@ -204,6 +205,9 @@ def _load_linearized(folder) -> torch.nn.Module:
     for file in files:
         state.update(load_file(str(file)))
     state = _renamed(state, config.model_type)
+    transforms = transform_modules(folder)  # attached (and built) by apply_online_transforms
+    state = {k: v for k, v in state.items()
+             if k.rpartition(".")[0].rpartition(".")[2] not in transforms}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if getattr(config.get_text_config(), "tie_word_embeddings", False):
         model.tie_weights()

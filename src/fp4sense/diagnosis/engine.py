@@ -134,7 +134,8 @@ class Analysis:
         self.block_out = [[None] * n for _ in range(self.units.n_blocks)]
         self.base_lp = []
         nll: list[float] = []
-        stats = InputStats(self.units.linears(), self.rotations)
+        experts = {m for u in self.units.units if u.experts for m in u.modules}
+        stats = InputStats(self.units.linears(), self.rotations, unrotated=experts)
         self.calls = [[None] * n for _ in range(self.units.n_blocks)]
         self.first_in = [None] * n
         current = {"i": 0}
@@ -159,7 +160,6 @@ class Analysis:
                 stats.add(name, args[0])
             return hook
 
-        experts = {m for u in self.units.units if u.experts for m in u.modules}
         handles = [b.register_forward_hook(block_hook(i)) for i, b in enumerate(self.blocks)]
         handles += [b.register_forward_pre_hook(call_hook(i), with_kwargs=True)
                     for i, b in enumerate(self.blocks)]

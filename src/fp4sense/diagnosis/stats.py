@@ -23,8 +23,9 @@ class InputStats:
     (``absmax_h16``, ...: a rotated scheme's), the mean of each window's 99.9th
     percentile, and E[x^2] per input channel (weights the scale search)."""
 
-    def __init__(self, names, rotations=()):
+    def __init__(self, names, rotations=(), unrotated=frozenset()):
         self.rotations = tuple(rotations)
+        self.unrotated = unrotated  # linears no rotated scheme takes (MoE experts)
         self.acc = {m: {"absmax": 0.0, "p999": [], "sq": None, "rows": 0} for m in names}
 
     def add(self, name: str, x: torch.Tensor) -> None:
@@ -37,8 +38,8 @@ class InputStats:
         s["absmax"] = max(s["absmax"], float(flat.max()))
         k = max(1, int(round(0.001 * flat.numel())))
         s["p999"].append(float(flat.topk(k).values[-1]))
-        for size in self.rotations:  # rotated in the input's dtype, as the host does
-            if x.shape[-1] % size == 0:
+        for size in () if name in self.unrotated else self.rotations:
+            if x.shape[-1] % size == 0:  # rotated in the input's dtype, as the host does
                 key = f"absmax_h{size}"
                 s[key] = max(s.get(key, 0.0), float(rotate_input(x.detach(), size).abs().max()))
 

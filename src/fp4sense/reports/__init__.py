@@ -1,3 +1,4 @@
 """What a person reads: the analysis report (``analysis``: Markdown, findings; ``plots``;
-``moe``: experts, routing coverage, what stays in 16 bits) and a checkpoint's model card
+``moe``: experts, routing coverage, what stays in 16 bits; ``rotation``: what a
+block-Hadamard rotation buys per unit) and a checkpoint's model card
 (``model_card``)."""

@@ -16,6 +16,7 @@ import numpy as np
 
 from fp4sense.diagnosis import Entry, SensitivityReport
 from fp4sense.reports.moe import moe_findings, moe_lines, plot_routing
+from fp4sense.reports.rotation import plot_rotation, rotation_findings
 from fp4sense.reports.plots import (
     plot_blocks,
     plot_components,
@@ -99,7 +100,7 @@ def findings(report: SensitivityReport) -> list[str]:
     for c in report.correlations:
         out.append(f"**Estimate vs measurement**: {c['view']} / {c['scheme']}: Spearman ρ = "
                    f"{c['spearman']:.2f} over {c['n']} targets.")
-    return out + moe_findings(report)
+    return out + rotation_findings(report) + moe_findings(report)
 
 
 def _tables(report: SensitivityReport, view: str):
@@ -239,6 +240,8 @@ def markdown(report: SensitivityReport, plots: dict[str, str], notes: list[str])
             lines += [f"![{r.title}]({plots[r.plot_name]})", ""]
     if "routing" in plots:
         lines += [f"![tokens routed to each expert]({plots['routing']})", ""]
+    if "rotation" in plots:
+        lines += [f"![what a rotation buys, per unit]({plots['rotation']})", ""]
     shown = {v for r in RENDERINGS.values() for v in (r.view, *r.also)}
     for r in RENDERINGS.values():
         lines += r.tables(report)
@@ -296,9 +299,10 @@ def write_analysis(report: SensitivityReport, out_dir: str | os.PathLike,
             if p is not None:
                 paths[r.plot_name] = p
                 made[r.plot_name] = p.name
-    if plots and plot_routing(report, out / "routing.png") is not None:
-        paths["routing"] = out / "routing.png"
-        made["routing"] = "routing.png"
+    for name, plot in (("routing", plot_routing), ("rotation", plot_rotation)):
+        if plots and plot(report, out / f"{name}.png") is not None:
+            paths[name] = out / f"{name}.png"
+            made[name] = f"{name}.png"
     md = out / "report.md"
     md.write_text(markdown(report, made, notes or []))
     paths["report"] = md

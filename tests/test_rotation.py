@@ -1,0 +1,274 @@
+"""Rotated FP4 schemes (``NVFP4_H16``, ``MXFP4_H32``, ...): the rotation is
+compressed-tensors' own Hadamard transform bit for bit, the estimate is the checkpoint bit
+for bit, plans rotate per unit, the checkpoint reruns from its recipe and vLLM serves it
+(with the plugin's CPU kernel for vLLM's Hadamard op)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from copy import deepcopy
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FP4SENSE, SMALL
+from families import make_family_model
+from fp4sense.numerics.rotation import (
+    hadamard,
+    rotate_input,
+    rotate_weight,
+    rotation_flops_per_token,
+    transform_config,
+)
+from fp4sense.numerics.schemes import MENU, get_scheme, rotations_of
+
+ROTATED = [n for n, s in MENU.items() if s.rotation]
+
+
+def test_rotated_schemes_in_the_menu():
+    assert ROTATED == ["NVFP4_H16", "NVFP4_H128", "NVFP4A16_H16", "NVFP4A16_H128",
+                       "MXFP4_H32", "MXFP4_H128", "MXFP4A16_H32", "MXFP4A16_H128"]
+    for name in ROTATED:
+        s, plain = get_scheme(name), MENU[get_scheme(name).preset]
+        assert (s.weight_format, s.activations) == (plain.weight_format, plain.activations)
+        assert s.block_size == max(s.rotation, plain.block_size)  # both powers of two
+    assert rotations_of(["NVFP4", "MXFP4_H128", "NVFP4_H16", "NVFP4A16_H16"]) == (16, 128)
+    h = hadamard(16)
+    assert torch.allclose(h @ h.T, torch.eye(16, dtype=torch.float64), atol=1e-15)
+    assert rotation_flops_per_token(4096, 4096 * 3, 128) == pytest.approx(128 / 12288)
+
+
+@pytest.mark.parametrize("width", [16, 32, 128])
+def test_the_rotation_is_compressed_tensors_transform_bit_for_bit(width):
+    """The weight fused and the input rotated online by compressed-tensors'
+    apply_transform_config (the config a plan writes) equal rotate_weight / rotate_input,
+    bit for bit, in float32 and bfloat16; the product is unchanged before quantization."""
+    from compressed_tensors.transform import apply_transform_config
+
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(width)
+        model = torch.nn.Sequential()
+        model.add_module("lin", torch.nn.Linear(256, 48, bias=False).to(dtype))
+        base = deepcopy(model)
+        scheme = {16: "NVFP4_H16", 32: "MXFP4_H32", 128: "NVFP4_H128"}[width]
+        apply_transform_config(model, transform_config({scheme: ["re:.*lin$"]}))
+        w = base.lin.weight.data
+        assert torch.equal(model.lin.weight.data, rotate_weight(w, width))
+        seen = {}
+        model.lin.register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
+        x = torch.randn(3, 5, 256).to(dtype)
+        y = model(x)
+        assert torch.equal(seen["x"], rotate_input(x, width))
+        exact = torch.nn.functional.linear(x.double(), w.double())
+        assert torch.allclose(y.double(), exact, atol=0.05 if dtype == torch.bfloat16 else 1e-4)
+
+
+def test_a_rotation_needs_a_width_it_divides():
+    from fp4sense.diagnosis.units import Unit
+
+    with pytest.raises(ValueError, match="divisible by 128"):
+        rotate_input(torch.zeros(2, 96), 128)
+    attn = Unit(0, "self_attn.o_proj", ("model.layers.0.self_attn.o_proj",), 96, (96,))
+    assert "block size 128" in attn.why_infeasible("NVFP4_H128")
+    assert attn.why_infeasible("NVFP4_H16") is None
+    experts = Unit(0, "mlp.experts", ("model.layers.0.mlp.experts.0.up_proj",), 128, (64,),
+                   experts=8)
+    assert "MoE experts" in experts.why_infeasible("NVFP4_H16")
+    assert experts.why_infeasible("NVFP4") is None
+
+
+def _amax_giving(global_scale: torch.Tensor) -> float:
+    """An input maximum from which compressed-tensors makes exactly ``global_scale``."""
+    from compressed_tensors.quantization.utils import generate_gparam
+
+    amax = (448 * 6 / global_scale.double()).float().reshape(())
+    for _ in range(8):
+        made = generate_gparam(-amax, amax).reshape(())
+        if made == global_scale.reshape(()):
+            return float(amax)
+        amax = torch.nextafter(amax, amax * (2.0 if made > global_scale.reshape(()) else 0.5))
+    raise AssertionError(f"no input maximum gives {global_scale}")
+
+
+def _uniform_rotated(base, calib, units, scheme: str, work):
+    from test_calibration_dtype import FP32, _uniform_checkpoint
+
+    return _uniform_checkpoint(base, calib, units, scheme, work, FP32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_estimate_is_the_rotated_checkpoint_bit_for_bit(family, assets, text_file,
+                                                             tmp_path):
+    """A rotated checkpoint (the plugin's oneshot) decompresses, bit for bit, to the
+    estimate's fake quantization in the rotated basis (W4A4 and weight-only, NVFP4 and
+    MXFP4); its config carries a transform_config vLLM reads; the model fp4sense loads
+    from it computes, bit for bit, what the estimate's measurement computes (given the
+    NVFP4 input scales the host calibrated on its own windows); the transform matrices
+    are stored once per width, in the base's dtype, and counted in the measured bits."""
+    from fp4sense.checkpoint.checks import effective_bits
+    from fp4sense.checkpoint.loading import load_checkpoint
+    from fp4sense.diagnosis.cache import EntryCache
+    from fp4sense.diagnosis.engine import Analysis
+    from fp4sense.diagnosis.units import find_units, quantize_unit
+    from fp4sense.inputs.models import analysis_windows, load_model
+
+    base = make_family_model(family, tmp_path / family, assets["model"])
+    model, tok, _ = load_model(base)
+    calib = analysis_windows(tok, text_file, 4, 64)
+    units = find_units(model, calib[:1, :16])
+    modules = dict(model.named_modules())
+    for scheme in ("NVFP4_H16", "MXFP4_H32", "NVFP4A16_H128"):
+        width = get_scheme(scheme).rotation
+        work = tmp_path / scheme
+        _uniform_rotated(base, calib, units, scheme, work)
+        config = json.loads((work / "config.json").read_text())["quantization_config"]
+        group = config["transform_config"]["config_groups"][f"hadamard_{width}"]
+        assert (group["type"], group["head_dim"]) == ("hadamard", width)
+        assert [(a["location"], a["inverse"]) for a in group["apply"]] == [
+            ("input", False), ("weight_input", True)]
+        served, _, notes = load_checkpoint(work, dtype=torch.float32)
+        assert any("rotate their inputs online" in n for n in notes)
+        for unit in units.units:
+            fake = quantize_unit(scheme, unit, [modules[m].weight.data for m in unit.modules],
+                                 out_dtype=torch.bfloat16, dtype=torch.float32,
+                                 scale_dtype=torch.bfloat16)
+            for m, q in zip(unit.modules, fake, strict=True):
+                got = served.get_submodule(m).weight.data.to(torch.bfloat16)
+                assert torch.equal(got, q), (scheme, m)
+        # the same numbers end to end: the estimate's measurement of the whole assignment
+        run = Analysis(model, calib[:2], units, EntryCache(None), progress=False)
+        run.rotations = (width,)
+        run.base_pass()
+        for m, stats in run.stats.items():  # NVFP4 inputs: the scale the host calibrated
+            stored = getattr(served.get_submodule(m), "input_global_scale", None)
+            if stored is not None:  # (its windows ran through the quantized blocks before)
+                stats[f"absmax_h{width}"] = _amax_giving(stored)
+        with torch.no_grad(), run.applied({m: (u, scheme) for u in units.units
+                                           for m in u.modules}):
+            ours = model(input_ids=calib[:2]).logits
+        theirs = served(input_ids=calib[:2]).logits
+        assert torch.equal(ours, theirs), (scheme, (ours - theirs).abs().max())
+        bits = effective_bits(work)
+        assert bits["transform_bytes"] == width * width * 2  # one bf16 matrix, tied
+        plan = json.loads((work / "plan.json").read_text())
+        numel = sum(c["numel"] for c in plan["choices"])
+        assert (bits["bytes"] - bits["transform_bytes"]) * 8 / numel == pytest.approx(
+            plan["achieved_bits_theory"], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_a_plan_rotates_per_unit_and_its_recipe_reruns_the_checkpoint(tiny_llama, text_file,
+                                                                      tmp_path):
+    """quantize with plain and rotated schemes on the menu, one pinned rotated: the plan
+    says which units rotate, the checkpoint's transform_config targets exactly those
+    (q/k/v share one transform), and recipe.yaml reproduces the checkpoint bit for bit."""
+    from safetensors.torch import load_file
+
+    from conftest import rerun_recipe
+
+    out = tmp_path / "q"
+    proc = subprocess.run([FP4SENSE, "quantize", str(tiny_llama), "--budget", "4.6",
+                           "--menu", "NVFP4,NVFP4_H16,MXFP4_H32", "--no-scale-search",
+                           "--pin", r".*self_attn\.q_proj=NVFP4_H16", "--out", str(out),
+                           "--text", str(text_file), *SMALL, "--no-eval"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads((out / "plan.json").read_text())
+    rotated = {c["unit"]: c["scheme"] for c in plan["choices"] if get_scheme(c["scheme"]).rotation}
+    assert {"0:self_attn.q_proj+k_proj+v_proj", "1:self_attn.q_proj+k_proj+v_proj"} <= set(rotated)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    from compressed_tensors.utils import match_named_modules
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    targeted = {}
+    for group in config["transform_config"]["config_groups"].values():
+        args = group["apply"][0]
+        for name, _ in match_named_modules(model, args["targets"], args["ignore"]):
+            targeted[name] = group["head_dim"]
+    expected = {m: get_scheme(c["scheme"]).rotation for c in plan["choices"]
+                for m in c["modules"] if get_scheme(c["scheme"]).rotation}
+    assert targeted == expected
+    rerun_recipe(out, tiny_llama, text_file, tmp_path / "again")
+    first, again = load_file(out / "model.safetensors"), load_file(tmp_path / "again" /
+                                                                   "model.safetensors")
+    assert sorted(first) == sorted(again)
+    assert all(torch.equal(first[k], again[k]) for k in first)
+
+
+@pytest.mark.parametrize("named, flag", [("--distill", ["--distill", "4"]),
+                                         ("--gptq-scores", ["--gptq", "--gptq-scores"])])
+def test_steps_that_cannot_take_rotations_yet_say_so(tiny_llama, text_file, tmp_path, named,
+                                                     flag):
+    proc = subprocess.run([FP4SENSE, "quantize", str(tiny_llama), "--budget", "4.6", "--menu",
+                           "NVFP4,NVFP4_H16", "--text", str(text_file), *SMALL,
+                           "--out", str(tmp_path / "q"), *flag], capture_output=True,
+                          text=True)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"fp4sense: error: --menu NVFP4_H16: {named} does not handle "
+                           "rotated schemes yet"), line
+    assert not (tmp_path / "q").exists()
+
+
+def test_the_cpu_hadamard_kernel_is_vllms_op(serve_python):
+    """The plugin defines vLLM's ``_C::hadacore_transform`` for the CPU: what vLLM's own
+    test expects of the CUDA kernel (x times the normalized Hadamard matrix), and bit for
+    bit the calibration's rotation of each block."""
+    script = Path(__file__).with_name("serve_hadamard_check.py")
+    done = subprocess.run([str(serve_python), str(script)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["cases"] == 12 and report["mismatches"] == [], report
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_a_rotated_checkpoint_passes_verify_vllm(family, assets, text_file, tmp_path,
+                                                 serve_python):
+    """vLLM (CPU, with the plugin) serves a rotated checkpoint as transformers computes
+    it, dense and MoE (the experts are not rotated: vLLM's fused MoE takes no transform)."""
+    base = make_family_model(family, tmp_path / family, assets["model"])
+    out = tmp_path / "q"
+    proc = subprocess.run([FP4SENSE, "quantize", str(base), "--budget", "4.6", "--menu",
+                           "NVFP4,NVFP4_H16,MXFP4_H32", "--no-scale-search", "--pin",
+                           r".*self_attn\.q_proj=NVFP4_H16", "--pin",
+                           r".*self_attn\.o_proj=MXFP4_H32", "--out", str(out), "--text",
+                           str(text_file), *SMALL, "--no-eval"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((out / "config.json").read_text())["quantization_config"][
+        "transform_config"]
+    proc = subprocess.run([FP4SENSE, "verify-vllm", str(out), "--windows", "1", "--tokens",
+                           "128", "--serve-python", str(serve_python), "--json"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    assert json.loads(proc.stdout)["passed"]
+
+
+def test_the_analysis_says_where_a_rotation_pays(tiny_llama, text_file, tmp_path):
+    """analyze scores rotated schemes beside the plain ones; report.md says per rotated
+    scheme on how many units it lowers the damage (from sensitivity.json's own numbers)
+    and draws rotation.png."""
+    from fp4sense.diagnosis import SensitivityReport
+
+    out = tmp_path / "a"
+    proc = subprocess.run([FP4SENSE, "analyze", str(tiny_llama), "--schemes",
+                           "NVFP4,NVFP4_H16,MXFP4,MXFP4_H32", "--views", "grid", "--mode",
+                           "estimated", "--text", str(text_file), "--windows", "2", "--tokens",
+                           "64", "--no-cache", "--out", str(out)], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = SensitivityReport.load(out / "sensitivity.json")
+    md = (out / "report.md").read_text()
+    assert (out / "rotation.png").is_file() and "(rotation.png)" in md
+    for rotated, plain in (("NVFP4_H16", "NVFP4"), ("MXFP4_H32", "MXFP4")):
+        a, b = report.unit_scores(plain, "estimated"), report.unit_scores(rotated, "estimated")
+        assert set(a) == set(b) and len(a) == 8
+        helped = sum(b[u] < 0.95 * a[u] for u in a if a[u] > 0)
+        assert (f"**Rotation, {rotated} vs {plain}** (grid, estimated): the rotation lowers "
+                f"the damage of {helped} of 8 units") in md
