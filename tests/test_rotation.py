@@ -57,7 +57,8 @@ def test_the_rotation_is_compressed_tensors_transform_bit_for_bit(width):
         w = base.lin.weight.data
         assert torch.equal(model.lin.weight.data, rotate_weight(w, width))
         seen = {}
-        model.lin.register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
+        model.lin.register_forward_pre_hook(
+            lambda m, args, seen=seen: seen.setdefault("x", args[0]))
         x = torch.randn(3, 5, 256).to(dtype)
         y = model(x)
         assert torch.equal(seen["x"], rotate_input(x, width))

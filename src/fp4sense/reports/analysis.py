@@ -16,7 +16,6 @@ import numpy as np
 
 from fp4sense.diagnosis import Entry, SensitivityReport
 from fp4sense.reports.moe import moe_findings, moe_lines, plot_routing
-from fp4sense.reports.rotation import plot_rotation, rotation_findings
 from fp4sense.reports.plots import (
     plot_blocks,
     plot_components,
@@ -24,6 +23,7 @@ from fp4sense.reports.plots import (
     protect_gain,
     table_mode,
 )
+from fp4sense.reports.rotation import plot_rotation, rotation_findings
 
 __all__ = ["RENDERINGS", "Rendering", "findings", "markdown", "register_rendering",
            "write_analysis"]
