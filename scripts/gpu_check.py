@@ -13,7 +13,9 @@ Tolerances, and why:
   tokens with the device's own generator, and CUDA's draws differ from the CPU's.
 - bfloat16 on the GPU vs float32 on the CPU: the component ranking (Spearman >= 0.8):
   bf16 shifts the unquantized reference itself, so KLs are not comparable one to one.
-- the quantized checkpoint evaluated on the GPU vs the CPU: KL within 5% relative.
+- the quantized checkpoint evaluated on the GPU vs the CPU: KL within 5% relative; the
+  same for a checkpoint with block-Hadamard rotated units (NVFP4_H16), which stock vLLM
+  (``--serve-python``, plugins off) must serve: verify-vllm's own limits.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--out", type=Path, default=Path("gpu-check"))
+    ap.add_argument("--serve-python", type=Path, default=None,
+                    help="a CUDA vLLM environment's python: stock vLLM serves the rotated "
+                    "checkpoint there, without the fp4sense plugin")
     args = ap.parse_args()
     dev = args.device
     results: dict = {"device": dev, "torch": torch.__version__, "steps": {}, "checks": {}}
@@ -96,6 +101,32 @@ def main() -> int:
     results["checks"]["eval float32: KL relative difference <= 0.05"] = (rel, rel <= 0.05)
     results["eval"] = {"gpu": {k: ev_gpu[k] for k in ("kl", "kl_se", "ppl", "top1")},
                        "cpu": {k: ev_cpu[k] for k in ("kl", "kl_se", "ppl", "top1")}}
+    # a rotated checkpoint (issue 36): block-Hadamard NVFP4 units beside plain ones; on a
+    # GPU stock vLLM (no fp4sense plugin: VLLM_PLUGINS="") must serve it (hadacore, or
+    # QuTLASS's fused Hadamard + NVFP4 on Blackwell)
+    rotated = args.out / "rotated"
+    _step(f"quantize rotated {dev}", dev, lambda: quantize_model(
+        out_dir=rotated, budget_bits=4.75, menu=["NVFP4", "NVFP4_H16", "FP8_DYNAMIC", "BF16"],
+        pins={r".*mlp\.down_proj": "NVFP4_H16"}, device=dev, dtype="float32",
+        evaluate=False, overwrite=True, progress=False), results)
+    rg = evaluate_checkpoint(rotated, device=dev, dtype="float32", progress=False)
+    rc = evaluate_checkpoint(rotated, device="cpu", progress=False)
+    rel = abs(rg["kl"] - rc["kl"]) / rc["kl"]
+    results["checks"]["rotated eval float32: KL relative difference <= 0.05"] = (
+        rel, rel <= 0.05)
+    if args.serve_python:
+        import os
+        import subprocess
+
+        exe = str(Path(sys.executable).parent / "fp4sense")
+        done = subprocess.run([exe, "verify-vllm", str(rotated), "--serve-python",
+                               str(args.serve_python), "--json"], capture_output=True,
+                              text=True, env={**os.environ, "VLLM_PLUGINS": ""})
+        verdict = json.loads(done.stdout) if done.stdout.strip() else {}
+        results["rotated_stock_vllm"] = verdict or done.stderr[-2000:]
+        ok = bool(verdict.get("passed"))
+        results["checks"]["rotated checkpoint: stock vLLM (no plugin) passes"] = (
+            float(ok), ok)
     passed = all(ok for _, ok in results["checks"].values())
     results["passed"] = passed
     args.out.mkdir(parents=True, exist_ok=True)

@@ -28,8 +28,9 @@ ROTATED = [n for n, s in MENU.items() if s.rotation]
 
 
 def test_rotated_schemes_in_the_menu():
-    assert ROTATED == ["NVFP4_H16", "NVFP4_H128", "NVFP4A16_H16", "NVFP4A16_H128",
-                       "MXFP4_H32", "MXFP4_H128", "MXFP4A16_H32", "MXFP4A16_H128"]
+    plain = ["NVFP4_H16", "NVFP4_H128", "NVFP4A16_H16", "NVFP4A16_H128",
+             "MXFP4_H32", "MXFP4_H128", "MXFP4A16_H32", "MXFP4A16_H128"]
+    assert ROTATED == plain + [f"{n}_SEARCH" for n in plain]  # searched-scale twins
     for name in ROTATED:
         s, plain = get_scheme(name), MENU[get_scheme(name).preset]
         assert (s.weight_format, s.activations) == (plain.weight_format, plain.activations)
@@ -193,6 +194,9 @@ def test_a_plan_rotates_per_unit_and_its_recipe_reruns_the_checkpoint(tiny_llama
     expected = {m: get_scheme(c["scheme"]).rotation for c in plan["choices"]
                 for m in c["modules"] if get_scheme(c["scheme"]).rotation}
     assert targeted == expected
+    card = (out / "README.md").read_text()
+    assert f"### Rotations\n\n{len(rotated)} of {len(plan['choices'])} units" in card
+    assert "transformers loads the checkpoint but does not apply `transform_config`" in card
     rerun_recipe(out, tiny_llama, text_file, tmp_path / "again")
     first, again = load_file(out / "model.safetensors"), load_file(tmp_path / "again" /
                                                                    "model.safetensors")
@@ -210,8 +214,8 @@ def test_steps_that_cannot_take_rotations_yet_say_so(tiny_llama, text_file, tmp_
                           text=True)
     assert proc.returncode == 1, proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith(f"fp4sense: error: --menu NVFP4_H16: {named} does not handle "
-                           "rotated schemes yet"), line
+    assert line.startswith("fp4sense: error: --menu NVFP4_H16,NVFP4_H16_SEARCH: "
+                           f"{named} does not handle rotated schemes yet"), line
     assert not (tmp_path / "q").exists()
 
 
@@ -273,3 +277,65 @@ def test_the_analysis_says_where_a_rotation_pays(tiny_llama, text_file, tmp_path
         helped = sum(b[u] < 0.95 * a[u] for u in a if a[u] > 0)
         assert (f"**Rotation, {rotated} vs {plain}** (grid, estimated): the rotation lowers "
                 f"the damage of {helped} of 8 units") in md
+
+
+def test_rotated_search_twins_weigh_the_rotated_inputs(tiny_llama):
+    """``*_H*_SEARCH``: the base pass keeps E[x^2] of each rotated input (per width), and
+    the searched block scales of a rotated unit are searched on ``W R`` weighted by it;
+    llm-compressor's observer, attached after the transform (as calibration starts),
+    sees the rotated input and picks the same scales."""
+    from compressed_tensors.transform import apply_transform_config
+    from llmcompressor.observers import Observer
+    from transformers import AutoModelForCausalLM
+
+    import fp4sense_llmcompressor  # noqa: F401
+    from fp4sense.diagnosis.cache import EntryCache
+    from fp4sense.diagnosis.engine import Analysis
+    from fp4sense.diagnosis.units import find_units
+    from fp4sense.numerics import formats as F
+    from fp4sense.numerics.fakequant import quantize_weights
+    from fp4sense.numerics.scale_search import search_block_scales
+    from fp4sense.numerics.schemes import to_quantization_scheme, with_search_twins
+
+    assert with_search_twins(["NVFP4_H16", "MXFP4_H32"]) == [
+        "NVFP4_H16", "NVFP4_H16_SEARCH", "MXFP4_H32", "MXFP4_H32_SEARCH"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    windows = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
+    units = find_units(model, windows[:1, :16])
+    run = Analysis(model, windows, units, EntryCache(None), False)
+    run.rotations = (16,)
+    name = "model.layers.1.mlp.down_proj"
+    seen = []
+    handle = run.modules[name].register_forward_pre_hook(
+        lambda _m, args: seen.append(args[0].detach().reshape(-1, args[0].shape[-1])))
+    run.base_pass()
+    handle.remove()
+    expected = rotate_input(torch.cat(seen), 16).square().mean(0)
+    assert torch.allclose(run.importance[(name, 16)], expected, rtol=1e-5)
+    unit = next(u for u in units.units if name in u.modules)
+    w = run.original[name]
+    searched = run.quantized(unit, "NVFP4A16_H16_SEARCH")[unit.modules.index(name)]
+    assert torch.equal(searched, quantize_weights(
+        "NVFP4A16_H16_SEARCH", [w], dtype=w.dtype, importance=[expected],
+        out_dtype=torch.bfloat16)[0].to(w.dtype))
+    assert not torch.equal(searched, run.quantized(unit, "NVFP4A16_H16")[0])
+
+    # the host: transform applied first, then the observer attached (start_calibration)
+    linear = torch.nn.Sequential()
+    linear.add_module("lin", torch.nn.Linear(64, 8, bias=False))
+    plain = linear.lin.weight.detach().clone()
+    apply_transform_config(linear, transform_config({"NVFP4A16_H16_SEARCH": ["re:.*lin$"]}))
+    args = to_quantization_scheme("NVFP4A16_H16_SEARCH", ["Linear"]).weights
+    obs = Observer.load_from_registry(args.observer, base_name="weight", args=args)
+    obs.attach(linear.lin)
+    x = torch.randn(3, 5, 64) * torch.linspace(0.1, 4, 64)
+    linear(x)
+    obs(linear.lin.weight)
+    qparams = obs.get_qparams()
+    turned = rotate_weight(plain, 16)
+    gs = F.global_scale(turned)
+    assert torch.equal(qparams["global_scale"], gs)
+    scales = search_block_scales(turned, "nvfp4", gs,
+                                 rotate_input(x, 16).reshape(-1, 64).square().mean(0))
+    assert torch.equal(qparams["scale"], scales.to(torch.float32))
+    obs.detach(linear.lin)

@@ -29,6 +29,7 @@ from fp4sense.diagnosis.units import Unit, UnitMap, quantize_unit
 from fp4sense.evaluation.metrics import window_metrics
 from fp4sense.inputs.models import quantization_dtypes
 from fp4sense.numerics.fakequant import activation_quantizer, input_absmax
+from fp4sense.numerics.schemes import get_scheme
 from fp4sense.runtime.memory import mapped_allocations
 
 __all__ = ["Analysis", "Perturbation"]
@@ -107,7 +108,8 @@ class Analysis:
         ws = self.rounded.unit(unit, scheme, only, self.device) if self.rounded else None
         if ws is None:  # not given: rounded to nearest
             group = next(p for p in unit.scale_groups if only is None or only in p)
-            imps = [self.importance.get(m) for m in unit.modules]
+            turn = get_scheme(scheme).rotation  # a rotated scheme: its input's E[x^2]
+            imps = [self.importance.get(m if turn is None else (m, turn)) for m in unit.modules]
             # streamed: the temporaries leave memory when freed (a block's worth at a time)
             with mapped_allocations() if self.store is not None else nullcontext():
                 # kept in bf16, what transformers and vLLM dequantize them to

@@ -21,7 +21,8 @@ class InputStats:
     """Per linear, over the base pass: the input's absolute maximum (the NVFP4 input
     global scale is made from it), that of the input rotated by each of ``rotations``
     (``absmax_h16``, ...: a rotated scheme's), the mean of each window's 99.9th
-    percentile, and E[x^2] per input channel (weights the scale search)."""
+    percentile, and E[x^2] per input channel (weights the scale search; a rotated
+    scheme's of the rotated input, under the key ``(linear, width)``)."""
 
     def __init__(self, names, rotations=(), unrotated=frozenset()):
         self.rotations = tuple(rotations)
@@ -40,15 +41,21 @@ class InputStats:
         s["p999"].append(float(flat.topk(k).values[-1]))
         for size in () if name in self.unrotated else self.rotations:
             if x.shape[-1] % size == 0:  # rotated in the input's dtype, as the host does
+                turned = rotate_input(x.detach(), size).float().reshape(rows.shape)
                 key = f"absmax_h{size}"
-                s[key] = max(s.get(key, 0.0), float(rotate_input(x.detach(), size).abs().max()))
+                s[key] = max(s.get(key, 0.0), float(turned.abs().max()))
+                sq = turned.square().sum(0)
+                s[f"sq_h{size}"] = sq if f"sq_h{size}" not in s else s[f"sq_h{size}"] + sq
 
-    def finish(self) -> tuple[dict[str, dict], dict[str, torch.Tensor]]:
-        """(linear -> statistics, linear -> E[x^2] per input channel)."""
+    def finish(self) -> tuple[dict[str, dict], dict]:
+        """(linear -> statistics, linear (or (linear, width)) -> E[x^2] per input channel)."""
         out, importance = {}, {}
         for m, s in self.acc.items():
             if s["rows"]:
                 importance[m] = s["sq"] / s["rows"]
+                for size in self.rotations:  # a rotated scheme's: (linear, width)
+                    if f"sq_h{size}" in s:
+                        importance[(m, size)] = s[f"sq_h{size}"] / s["rows"]
             p999 = float(np.mean(s["p999"]))
             out[m] = {"absmax": s["absmax"], "p999": p999,
                       "outlier_ratio": s["absmax"] / p999 if p999 > 0 else float("inf"),

@@ -101,8 +101,11 @@ _MENU_LIST = [
     Scheme("INT8", "W8A8", "int8", "int8", description="INT8 W8A8 (per-channel / per-token)"),
     Scheme("INT4", "W4A16", "int4", None, description="INT4 weights, group 128 (W4A16)"),
     Scheme("BF16", None, None, None, description="left unquantized"),
-    *(Scheme(f"{base}_H{size}", base, fmt, act, rotation=size,
-             description=f"{base} after a {size}-wide block-Hadamard rotation")
+    *(Scheme(f"{base}_H{size}{'_SEARCH' if search else ''}", base, fmt, act, search,
+             f"{base} after a {size}-wide block-Hadamard rotation"
+             f"{', searched block scales' if search else ''} (+ one {size}x{size} matrix "
+             "per checkpoint)", rotation=size)
+      for search in (False, True)
       for base, fmt, act, sizes in (("NVFP4", "nvfp4", "fp4", (16, 128)),
                                     ("NVFP4A16", "nvfp4", None, (16, 128)),
                                     ("MXFP4", "mxfp4", "fp4", (32, 128)),

@@ -137,6 +137,7 @@ def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str
     lines += ["", f"Predicted KL (sum over units): {plan.predicted_kl:.4f}. Per unit: "
               "`plan.json`; sensitivities: `sensitivity.json`.", ""]
     lines += _experts_lines(folder, plan)
+    lines += _rotation_lines(plan)
     lines += _training_lines(plan)
     if evaluation:
         e = evaluation
@@ -227,6 +228,25 @@ def _experts_lines(folder: Path, plan) -> list[str]:
                 "llm-compressor calibrates experts): " + "; ".join(
                     f"{u}: {', '.join(str(e) for e, _ in v)}" for u, v in few.items()) + ".")
     return lines + [""]
+
+
+def _rotation_lines(plan) -> list[str]:
+    """Units given a rotated scheme: what is stored, what serves them, what does not."""
+    rotated = [c for c in plan.choices if get_scheme(c.scheme).rotation]
+    if not rotated:
+        return []
+    widths = sorted({get_scheme(c.scheme).rotation for c in rotated})
+    return ["### Rotations", "",
+            f"{len(rotated)} of {len(plan.choices)} units "
+            f"({sum(len(c.modules) for c in rotated)} linears) rotate their inputs by a "
+            f"block-Hadamard matrix ({', '.join(map(str, widths))}-wide blocks) before "
+            "quantizing: their weights are stored rotated, and the "
+            "config's `transform_config` has the inputs rotated online (vLLM: hadacore on "
+            "CUDA GPUs, QuTLASS's fused Hadamard + NVFP4 on Blackwell). transformers loads "
+            "the checkpoint but does not apply `transform_config` (its load report lists the "
+            "transform matrices as unexpected), so a plain transformers model computes with "
+            "unrotated inputs: evaluate with vLLM, or with `fp4sense eval`, which attaches "
+            "the transforms (`fp4sense.checkpoint.loading.load_checkpoint`).", ""]
 
 
 def _training_lines(plan) -> list[str]:

@@ -1,0 +1,169 @@
+"""Benchmark: block-Hadamard rotated FP4 schemes against the plain ones, as written
+checkpoints, per protocol.md (bundled SmolLM2, calibration split, float32 calibration on a
+CPU, the first 16 evaluation windows).
+
+Rows (each resumable: a finished row is kept in the results file and skipped):
+
+- ``uniform``: every unit one scheme, round-to-nearest (RTN) and with GPTQ: NVFP4 vs
+  NVFP4_H16 / NVFP4_H128, MXFP4 vs MXFP4_H32 / MXFP4_H128 (the plugin's oneshot on a
+  uniform plan, no estimate);
+- ``menu``: `quantize` (estimate, plan, searched-scale twins, RTN or GPTQ) with the W4A4
+  menu {NVFP4, FP8_DYNAMIC, BF16} with and without {NVFP4_H16, NVFP4_H128}, and the MX
+  menu {MXFP4, FP8_DYNAMIC, BF16} with and without {MXFP4_H32, MXFP4_H128}, at the given
+  budgets (default 5.0 bits; MX 4.95).
+
+Each row: measured bits (the transform matrices counted), KL ± SE, PPL, top-1, wall time;
+plans also the units they rotate and the online transforms' estimated cost per token
+relative to all decoder linears (a dense block product: ``in * B`` multiply-adds per
+rotated linear's input, shared by a fused group, against ``in * out`` for the linears).
+
+    .venv/bin/python bench/rotation.py [--parts uniform,menu] [--budgets 5.0] [--verify]
+
+Results: bench/results/rotation.json. Run it alone (the oneshots compete for the cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+OUT = RESULTS / "rotation.json"
+UNIFORM = ["NVFP4", "NVFP4_H16", "NVFP4_H128", "MXFP4", "MXFP4_H32", "MXFP4_H128"]
+MENUS = {"W4A4": ["NVFP4", "FP8_DYNAMIC", "BF16"],
+         "W4A4+H": ["NVFP4", "NVFP4_H16", "NVFP4_H128", "FP8_DYNAMIC", "BF16"],
+         "MX": ["MXFP4", "FP8_DYNAMIC", "BF16"],
+         "MX+H": ["MXFP4", "MXFP4_H32", "MXFP4_H128", "FP8_DYNAMIC", "BF16"]}
+MX_BUDGET = 4.95
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _load() -> dict:
+    return json.loads(OUT.read_text()) if OUT.is_file() else {"rows": {}}
+
+
+def _save(result: dict) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    OUT.write_text(json.dumps(result, indent=1))
+
+
+def uniform_row(scheme: str, gptq: bool, work: Path) -> dict:
+    """Every unit ``scheme`` through the plugin's oneshot, evaluated from disk."""
+    from fp4sense.checkpoint.checks import effective_bits
+    from fp4sense.diagnosis.units import find_units, model_fingerprint
+    from fp4sense.evaluation.evaluate import evaluate_checkpoint
+    from fp4sense.inputs.assets import ensure_model
+    from fp4sense.inputs.models import analysis_windows, load_model
+    from fp4sense.quantization.hosts import quantizer
+    from fp4sense.quantization.rounded import uniform_plan
+
+    source = ensure_model(log=lambda m: None)
+    model, tok, _ = load_model(source)
+    calib = analysis_windows(tok, None, 32, 512)
+    units = find_units(model, calib[:1, :16])
+    plan = uniform_plan(units, scheme, "SmolLM2-135M-Instruct", model_fingerprint(model),
+                        {"dtype": "float32", "stored_dtype": "bfloat16", "window_prefix": []})
+    del model
+    work.mkdir(parents=True, exist_ok=True)
+    plan.save(work / "plan.json")
+    t = time.perf_counter()
+    quantizer()(str(source), calib, work, plan="plan.json", gptq=gptq)
+    oneshot_s = time.perf_counter() - t
+    tok.save_pretrained(work)
+    e = evaluate_checkpoint(work, base=source, n_windows=16, progress=False, log=_log)
+    bits = effective_bits(work)
+    return {"scheme": scheme, "gptq": gptq, "oneshot_s": round(oneshot_s, 1),
+            "effective_bits": e["effective_bits"], "transform_bytes": bits["transform_bytes"],
+            **{k: e[k] for k in ("kl", "kl_se", "ppl", "top1")}, "folder": str(work)}
+
+
+def menu_row(menu_name: str, budget: float, gptq: bool, work: Path) -> dict:
+    from fp4sense.api import quantize_model
+    from fp4sense.numerics.schemes import get_scheme
+
+    t = time.perf_counter()
+    r = quantize_model(None, out_dir=work, budget_bits=budget, menu=MENUS[menu_name],
+                       gptq=gptq, overwrite=True, progress=False, log=_log)
+    plan = json.loads((work / "plan.json").read_text())
+    units = {f"{u['block']}:{u['kind']}": u  # the unit's input width, from the report
+             for u in json.loads((work / "sensitivity.json").read_text())["units"]["units"]}
+    linear = macs = 0.0
+    rotated = 0
+    for c in plan["choices"]:
+        linear += c["numel"]
+        width = get_scheme(c["scheme"]).rotation
+        if width:
+            rotated += 1
+            macs += width * units[c["unit"]]["in_features"]
+    e = r["eval"]
+    return {"menu": menu_name, "budget": budget, "gptq": gptq,
+            "wall_s": round(time.perf_counter() - t, 1), "schemes": r["plan"]["schemes"],
+            "rotated_units": rotated, "units": len(plan["choices"]),
+            "transform_macs_over_linear": macs / linear,
+            "predicted_kl": r["plan"]["predicted_kl"],
+            **{k: e[k] for k in ("effective_bits", "kl", "kl_se", "ppl", "top1")},
+            "folder": str(work)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="uniform,menu")
+    ap.add_argument("--budgets", default="5.0", help="W4A4 menu budgets (MX: 4.95)")
+    ap.add_argument("--work", type=Path, default=RESULTS / ".rotation")
+    ap.add_argument("--verify", action="store_true", help="verify-vllm the rotated rows")
+    args = ap.parse_args(argv)
+    parts = args.parts.split(",")
+    result = _load()
+    result["command"] = "python bench/rotation.py " + " ".join(argv or sys.argv[1:])
+    result["threads"] = torch.get_num_threads()
+    jobs = []
+    if "uniform" in parts:
+        jobs += [(f"uniform {s}{' + GPTQ' if g else ''}", uniform_row, (s, g))
+                 for g in (False, True) for s in UNIFORM]
+    if "menu" in parts:
+        for b in (float(x) for x in args.budgets.split(",")):
+            for g in (False, True):
+                for m in ("W4A4", "W4A4+H"):
+                    jobs.append((f"{m} @ {b}{' + GPTQ' if g else ''}", menu_row, (m, b, g)))
+        for g in (False, True):
+            for m in ("MX", "MX+H"):
+                jobs.append((f"{m} @ {MX_BUDGET}{' + GPTQ' if g else ''}", menu_row,
+                             (m, MX_BUDGET, g)))
+    for name, fn, fn_args in jobs:
+        if name in result["rows"]:
+            continue
+        _log(f"== {name}")
+        folder = args.work / name.replace(" ", "").replace("@", "-").replace("+", "_")
+        t = time.perf_counter()
+        row = fn(*fn_args, folder)
+        row["row_s"] = round(time.perf_counter() - t, 1)
+        result["rows"][name] = row
+        _save(result)
+        _log(json.dumps({name: {k: row[k] for k in ("kl", "kl_se", "effective_bits")}}))
+    if args.verify:
+        import subprocess
+
+        exe = str(Path(sys.executable).parent / "fp4sense")
+        rotated = [r["folder"] for r in result["rows"].values()
+                   if "_H" in r.get("scheme", "") or r.get("rotated_units")]
+        proc = subprocess.run([exe, "verify-vllm", "--json", *rotated], capture_output=True,
+                              text=True)
+        found = json.loads(proc.stdout) if proc.stdout.strip() else []
+        result["verify_vllm"] = {Path(f).name: "PASS" if v["passed"] else "FAIL"
+                                 for f, v in zip(rotated, found, strict=False)} \
+            or proc.stderr[-400:]
+    _save(result)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
