@@ -5,11 +5,11 @@ CPU, the first 16 evaluation windows).
 Rows (each resumable: a finished row is kept in the results file and skipped):
 
 - ``uniform``: every unit one scheme, round-to-nearest (RTN) and with GPTQ: NVFP4 vs
-  NVFP4_H16 / NVFP4_H128, MXFP4 vs MXFP4_H32 / MXFP4_H128 (the plugin's oneshot on a
-  uniform plan, no estimate);
+  NVFP4_H16 / NVFP4_H64, MXFP4 vs MXFP4_H32 / MXFP4_H64 (the plugin's oneshot on a
+  uniform plan, no estimate; SmolLM2's 576-wide inputs take no 128-wide rotation);
 - ``menu``: `quantize` (estimate, plan, searched-scale twins, RTN or GPTQ) with the W4A4
-  menu {NVFP4, FP8_DYNAMIC, BF16} with and without {NVFP4_H16, NVFP4_H128}, and the MX
-  menu {MXFP4, FP8_DYNAMIC, BF16} with and without {MXFP4_H32, MXFP4_H128}, at the given
+  menu {NVFP4, FP8_DYNAMIC, BF16} with and without {NVFP4_H16, NVFP4_H64}, and the MX
+  menu {MXFP4, FP8_DYNAMIC, BF16} with and without {MXFP4_H32, MXFP4_H64}, at the given
   budgets (default 5.0 bits; MX 4.95).
 
 Each row: measured bits (the transform matrices counted), KL ± SE, PPL, top-1, wall time;
@@ -34,11 +34,12 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OUT = RESULTS / "rotation.json"
-UNIFORM = ["NVFP4", "NVFP4_H16", "NVFP4_H128", "MXFP4", "MXFP4_H32", "MXFP4_H128"]
+# SmolLM2's widths (576, 1536) take 16-, 32- and 64-wide rotations, not 128 (576 = 64 x 9)
+UNIFORM = ["NVFP4", "NVFP4_H16", "NVFP4_H64", "MXFP4", "MXFP4_H32", "MXFP4_H64"]
 MENUS = {"W4A4": ["NVFP4", "FP8_DYNAMIC", "BF16"],
-         "W4A4+H": ["NVFP4", "NVFP4_H16", "NVFP4_H128", "FP8_DYNAMIC", "BF16"],
+         "W4A4+H": ["NVFP4", "NVFP4_H16", "NVFP4_H64", "FP8_DYNAMIC", "BF16"],
          "MX": ["MXFP4", "FP8_DYNAMIC", "BF16"],
-         "MX+H": ["MXFP4", "MXFP4_H32", "MXFP4_H128", "FP8_DYNAMIC", "BF16"]}
+         "MX+H": ["MXFP4", "MXFP4_H32", "MXFP4_H64", "FP8_DYNAMIC", "BF16"]}
 MX_BUDGET = 4.95
 
 
@@ -81,6 +82,8 @@ def uniform_row(scheme: str, gptq: bool, work: Path) -> dict:
     e = evaluate_checkpoint(work, base=source, n_windows=16, progress=False, log=_log)
     bits = effective_bits(work)
     return {"scheme": scheme, "gptq": gptq, "oneshot_s": round(oneshot_s, 1),
+            "units": len(plan.choices), "units_left_bf16": sum(
+                1 for c in plan.choices if c.scheme == "BF16"),
             "effective_bits": e["effective_bits"], "transform_bytes": bits["transform_bytes"],
             **{k: e[k] for k in ("kl", "kl_se", "ppl", "top1")}, "folder": str(work)}
 

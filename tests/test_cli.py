@@ -51,6 +51,46 @@ def test_user_error_is_one_line_with_exit_code_1(tmp_path):
     assert "GGUF file not found" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_every_user_error_is_typed_with_its_exit_code():
+    """Each error users can fix is a fp4sense.validate.UserError carrying its exit code
+    (no matching by module names); the command line prints it as one line with that
+    code, and anything else still raises."""
+    import argparse
+    import importlib
+    import pkgutil
+
+    import fp4sense
+    from fp4sense.cli import EXIT_ASSET_ERROR, EXIT_HUB_ERROR, run_command
+    from fp4sense.validate import UserError
+
+    errors = {}
+    for info in pkgutil.walk_packages(fp4sense.__path__, "fp4sense."):
+        if info.name.endswith("_moved"):
+            continue
+        module = importlib.import_module(info.name)
+        for name, obj in vars(module).items():
+            if (isinstance(obj, type) and issubclass(obj, Exception) and obj.__module__ ==
+                    info.name and name.endswith("Error")):
+                errors[name] = obj
+    internal = {"RoundedWeightsError"}  # a file fp4sense wrote lacks a weight: a bug
+    assert {n for n, e in errors.items() if not issubclass(e, UserError)} == internal
+    assert errors["AssetError"].exit_code == EXIT_ASSET_ERROR == 3
+    assert errors["HubError"].exit_code == EXIT_HUB_ERROR == 5
+    assert {e.exit_code for n, e in errors.items()
+            if n not in internal | {"AssetError", "HubError"}} == {1}
+
+    def fails(exc):
+        def action(_args):
+            raise exc
+        return action
+
+    for exc in (errors["HubError"]("no token"), errors["PlanError"]("bad menu"),
+                ValueError("bad value")):
+        assert run_command(fails(exc), argparse.Namespace()) == getattr(exc, "exit_code", 1)
+    with pytest.raises(RuntimeError):
+        run_command(fails(RuntimeError("a bug")), argparse.Namespace())
+
+
 def test_help_lists_every_command_and_the_exit_codes():
     from fp4sense.cli import COMMANDS
 

@@ -28,8 +28,9 @@ ROTATED = [n for n, s in MENU.items() if s.rotation]
 
 
 def test_rotated_schemes_in_the_menu():
-    plain = ["NVFP4_H16", "NVFP4_H128", "NVFP4A16_H16", "NVFP4A16_H128",
-             "MXFP4_H32", "MXFP4_H128", "MXFP4A16_H32", "MXFP4A16_H128"]
+    plain = [f"{base}_H{width}" for base, widths in (
+        ("NVFP4", (16, 64, 128)), ("NVFP4A16", (16, 64, 128)), ("MXFP4", (32, 64, 128)),
+        ("MXFP4A16", (32, 64, 128))) for width in widths]
     assert ROTATED == plain + [f"{n}_SEARCH" for n in plain]  # searched-scale twins
     for name in ROTATED:
         s, plain = get_scheme(name), MENU[get_scheme(name).preset]

@@ -15,13 +15,27 @@ import shutil
 import socket
 from pathlib import Path
 
-__all__ = ["InputError", "block_list", "check_output_folder", "check_writable", "device_name",
+__all__ = ["EXIT_ASSET_ERROR", "EXIT_HUB_ERROR", "EXIT_USER_ERROR", "InputError", "UserError",
+           "block_list", "check_output_folder", "check_writable", "device_name",
            "non_empty", "non_negative_int", "positive_float", "positive_int", "non_negative_float",
            "claim_output", "publish_folder", "remove_dead_partials", "set_aside",
            "write_owner"]
 
 
-class InputError(ValueError):
+#: exit codes of the errors users can fix (2 is argparse's usage error)
+EXIT_USER_ERROR = 1
+EXIT_ASSET_ERROR = 3
+EXIT_HUB_ERROR = 5
+
+
+class UserError(Exception):
+    """An error the user can fix: the command line prints its message as one line and
+    exits with its ``exit_code`` (every front door raises it the same way)."""
+
+    exit_code = EXIT_USER_ERROR
+
+
+class InputError(UserError, ValueError):
     """A flag, path or file the user gave cannot be used (the message names it)."""
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from compressed_tensors.utils.match import match_name
 
+from fp4sense.validate import UserError
+
 __all__ = ["TOKENIZER_CONFIG", "VOCABULARIES", "CheckpointError", "check_checkpoint",
            "checkpoint_tokenizer", "effective_bits", "tensor_index", "transform_modules"]
 
@@ -36,7 +38,7 @@ _STORED = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """The checkpoint folder is missing, corrupt or inconsistent (names what and where)."""
 
 

@@ -4,17 +4,15 @@ reused by ``optimum-cli fp4sense``) and the actions with one error-to-exit-code 
 
 from fp4sense.cli.commands import (
     COMMANDS,
-    EXIT_ASSET_ERROR,
     EXIT_CODES_HELP,
-    EXIT_HUB_ERROR,
     EXIT_INTERRUPTED,
     EXIT_OK,
-    EXIT_USER_ERROR,
     EXIT_VERIFY_FAILED,
     build_parser,
     main,
     run_command,
 )
+from fp4sense.validate import EXIT_ASSET_ERROR, EXIT_HUB_ERROR, EXIT_USER_ERROR
 
 __all__ = ["COMMANDS", "EXIT_ASSET_ERROR", "EXIT_CODES_HELP", "EXIT_HUB_ERROR",
            "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USER_ERROR", "EXIT_VERIFY_FAILED",

@@ -29,12 +29,10 @@ from fp4sense.cli.streams import (
 )
 from fp4sense.cli.streams import emit_json as _emit_json
 from fp4sense.cli.streams import stdout_for_json as _stdout_for_json
+from fp4sense.validate import EXIT_USER_ERROR, UserError
 
-EXIT_OK = 0
-EXIT_USER_ERROR = 1  # bad input, named in one line (2 is argparse's usage error)
-EXIT_ASSET_ERROR = 3
+EXIT_OK = 0  # 1, 3, 5: the errors users can fix (fp4sense.validate.UserError.exit_code)
 EXIT_VERIFY_FAILED = 4
-EXIT_HUB_ERROR = 5
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 EXIT_CODES_HELP = """exit codes:
@@ -297,22 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: the errors users can fix, in match order. None is imported to match it (an unimported
-#: module raised nothing), so a command that fails before it needs torch answers at once.
-_USER_ERRORS = (("fp4sense.inputs.assets", "AssetError", EXIT_ASSET_ERROR),
-                ("fp4sense.publishing.hub", "HubError", EXIT_HUB_ERROR),
-                ("fp4sense.inputs.gguf", "GGUFConversionError", EXIT_USER_ERROR),
-                ("fp4sense.evaluation.vllm_check", "VerifyError", EXIT_USER_ERROR),
-                ("fp4sense.runtime.distributed", "RankError", EXIT_USER_ERROR),
-                ("builtins", "ValueError", EXIT_USER_ERROR))
-
-
 def _exit_code(exc: BaseException) -> int | None:
-    for module, name, code in _USER_ERRORS:
-        found = sys.modules.get(module)
-        if found is not None and isinstance(exc, getattr(found, name)):
-            return code
-    return None
+    """The exit code of an error users can fix (:class:`fp4sense.validate.UserError`, or
+    a plain ValueError: a bad value from code we call), None for anything else."""
+    if isinstance(exc, UserError):
+        return exc.exit_code
+    return EXIT_USER_ERROR if isinstance(exc, ValueError) else None
 
 
 def run_command(action: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fp4sense import __version__
 from fp4sense.diagnosis.units import UnitMap
+from fp4sense.validate import UserError
 
 __all__ = ["KL_ROUNDING", "REPORT_VERSION", "Entry", "ReportError", "SensitivityReport"]
 
@@ -22,7 +23,7 @@ REPORT_VERSION = 1
 KL_ROUNDING = 1e-6
 
 
-class ReportError(ValueError):
+class ReportError(UserError, ValueError):
     """A sensitivity report that cannot be used here (other model, version, schemes)."""
 
 

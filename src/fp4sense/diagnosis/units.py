@@ -36,12 +36,13 @@ import torch
 
 from fp4sense.diagnosis.experts import expert_lists, expert_unit, left_alone, unaccounted
 from fp4sense.numerics.schemes import get_scheme
+from fp4sense.validate import UserError
 
 __all__ = ["Unit", "UnitError", "UnitMap", "find_blocks", "find_units", "quantize_unit",
            "short_kind"]
 
 
-class UnitError(ValueError):
+class UnitError(UserError, ValueError):
     """The model's structure is not one fp4sense can split into units."""
 
 

@@ -30,6 +30,7 @@ import torch
 
 # the one checkpoint checker (eval, push and this comparison share it)
 from fp4sense.checkpoint.checks import check_checkpoint
+from fp4sense.validate import UserError
 
 __all__ = [
     "ACTIVATION_QUANT_TOLERANCE",
@@ -49,7 +50,7 @@ __all__ = [
 
 SERVE_PYTHON_ENV = "FP4SENSE_SERVE_PYTHON"
 
-class VerifyError(RuntimeError):
+class VerifyError(UserError, RuntimeError):
     """vLLM could not run the checkpoint, or took too long (says which)."""
 
 

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from fp4sense.validate import EXIT_ASSET_ERROR, UserError
+
 __all__ = [
     "AssetError",
     "MODEL_PACKAGE",
@@ -44,8 +46,10 @@ __all__ = [
 CACHE_ENV = "FP4SENSE_CACHE"
 
 
-class AssetError(RuntimeError):
+class AssetError(UserError, RuntimeError):
     """An offline asset could not be fetched or verified (names the package)."""
+
+    exit_code = EXIT_ASSET_ERROR
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from fp4sense.validate import UserError
+
 __all__ = ["GGUFConversionError", "convert_gguf", "special_tokens"]
 
 #: GGUF tokenizer metadata -> the tokenizer attribute it sets (transformers' GGUF loader
@@ -25,7 +27,7 @@ _FLAGS = {"tokenizer.ggml.add_bos_token": "add_bos_token",
 _IDS = {"tokenizer.ggml.bos_token_id": "bos_token", "tokenizer.ggml.eos_token_id": "eos_token"}
 
 
-class GGUFConversionError(RuntimeError):
+class GGUFConversionError(UserError, RuntimeError):
     """The GGUF file could not be converted (names the file and the cause)."""
 
 

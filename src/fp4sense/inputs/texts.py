@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from fp4sense.validate import UserError
+
 __all__ = [
     "DataError",
     "EVAL_WINDOWS",
@@ -35,7 +37,7 @@ EVAL_WINDOWS = 16
 PROTOCOL_EVAL_TEXT = "protocol evaluation split"
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Text input is missing or too short (says how many tokens are needed)."""
 
 

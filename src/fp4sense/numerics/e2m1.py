@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from fp4sense.validate import UserError
+
 __all__ = ["E2M1_MAGNITUDE_MASK", "E2M1_MAX", "E2M1_SIGN_BIT", "E2M1_VALUES", "E2M1Error",
            "e2m1_codes", "pack_codes", "round_to_e2m1", "unpack_codes"]
 
@@ -21,7 +23,7 @@ E2M1_SIGN_BIT = 0b1000
 E2M1_MAGNITUDE_MASK = 0b0111
 
 
-class E2M1Error(ValueError):
+class E2M1Error(UserError, ValueError):
     """Codes that cannot be packed or unpacked (says why)."""
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from fp4sense.numerics.formats import BITS_PER_BYTE, FLOAT32_BYTES, get_format
+from fp4sense.validate import UserError
 
 __all__ = [
     "MENU",
@@ -44,7 +45,7 @@ INT4_GROUP_SIZE = 128
 INT4_SHAPE_BYTES = 2 * 8
 
 
-class SchemeError(ValueError):
+class SchemeError(UserError, ValueError):
     """Unknown scheme name (the message lists the menu)."""
 
 
@@ -106,10 +107,10 @@ _MENU_LIST = [
              f"{', searched block scales' if search else ''} (+ one {size}x{size} matrix "
              "per checkpoint)", rotation=size)
       for search in (False, True)
-      for base, fmt, act, sizes in (("NVFP4", "nvfp4", "fp4", (16, 128)),
-                                    ("NVFP4A16", "nvfp4", None, (16, 128)),
-                                    ("MXFP4", "mxfp4", "fp4", (32, 128)),
-                                    ("MXFP4A16", "mxfp4", None, (32, 128)))
+      for base, fmt, act, sizes in (("NVFP4", "nvfp4", "fp4", (16, 64, 128)),
+                                    ("NVFP4A16", "nvfp4", None, (16, 64, 128)),
+                                    ("MXFP4", "mxfp4", "fp4", (32, 64, 128)),
+                                    ("MXFP4A16", "mxfp4", None, (32, 64, 128)))
       for size in sizes),
 ]
 MENU: dict[str, Scheme] = {s.name: s for s in _MENU_LIST}

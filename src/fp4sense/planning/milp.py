@@ -8,10 +8,9 @@ exactly as a 0/1 integer program with HiGHS (``scipy.optimize.milp``):
     minimize   Σ d(u,s) x(u,s)
     subject to Σ_s x(u,s) = 1 for every unit,  Σ bits(u,s) x(u,s) <= budget,
 
-or, for a damage target, the fewest bits with Σ d x <= target. Fused groups are units,
-so they get one scheme whole; a scheme a unit's shape cannot take is not offered; pins
-force a unit (by unit name or a regex over its modules) to a scheme.
-"""
+or, for a damage target, the fewest bits with Σ d x <= target. Fused groups are units
+(one scheme, one rotation each); a scheme a unit cannot take is not offered; pins force
+a unit (by unit name or a regex over its modules) to a scheme."""
 
 from __future__ import annotations
 
@@ -29,6 +28,7 @@ from fp4sense import __version__
 from fp4sense.diagnosis import SensitivityReport
 from fp4sense.diagnosis.units import Unit, UnitMap
 from fp4sense.numerics.schemes import bits_per_weight, get_scheme, to_quantization_scheme
+from fp4sense.validate import UserError
 
 __all__ = ["DEFAULT_MENU", "PLAN_VERSION", "Plan", "PlanError", "check_pins", "plan_cost",
            "solve"]
@@ -37,7 +37,7 @@ PLAN_VERSION = 1
 DEFAULT_MENU = ("NVFP4", "FP8_DYNAMIC", "BF16")
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """A budget, menu, pin or report the planner cannot use (the message says why)."""
 
 

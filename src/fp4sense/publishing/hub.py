@@ -15,6 +15,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from fp4sense.validate import EXIT_HUB_ERROR, UserError
+
 __all__ = [
     "HubError",
     "HubFile",
@@ -48,12 +50,14 @@ _IMAGE_LINK = re.compile(r"!\[[^\]]*\]\(([^)\s]+)")
 _SKIPPED_DIRS = {"__pycache__"}
 
 
-class PushError(ValueError):
+class PushError(UserError, ValueError):
     """The folder is not ready for the Hub; the message lists every problem."""
 
 
-class HubError(RuntimeError):
+class HubError(UserError, RuntimeError):
     """The Hub could not be reached, or refused the token or the upload."""
+
+    exit_code = EXIT_HUB_ERROR
 
 
 @dataclass(frozen=True)

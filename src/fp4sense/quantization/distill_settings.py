@@ -8,12 +8,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+from fp4sense.validate import UserError
+
 __all__ = ["MODES", "DistillError", "DistillSettings", "cli_options"]
 
 MODES = ("end-to-end", "block")
 
 
-class DistillError(ValueError):
+class DistillError(UserError, ValueError):
     """Settings or inputs QAD cannot run with (the message says which and what to do)."""
 
 

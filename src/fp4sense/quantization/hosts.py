@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
+from fp4sense.validate import UserError
+
 __all__ = ["MOE_LINEARIZERS", "QUANTIZERS", "ROUNDERS", "HostMissingError", "host",
            "quantizer"]
 
@@ -31,7 +33,7 @@ MOE_LINEARIZERS = "fp4sense.moe_linearizers"
 ROUNDERS = "fp4sense.rounders"
 
 
-class HostMissingError(ValueError):
+class HostMissingError(UserError, ValueError):
     """The host package a command needs is not installed in this environment."""
 
 

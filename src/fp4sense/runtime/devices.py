@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from fp4sense.validate import UserError
+
 __all__ = ["DEVICE_CHOICES", "DTYPES", "DeviceError", "Placement", "cpu_has_native_bf16",
            "resolve"]
 
@@ -24,7 +26,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _DEVICE = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
 
 
-class DeviceError(ValueError):
+class DeviceError(UserError, ValueError):
     """A device or dtype this machine cannot give (the message names it and the way out)."""
 
 

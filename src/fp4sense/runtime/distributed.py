@@ -17,6 +17,8 @@ from typing import TypeVar
 
 import torch
 
+from fp4sense.validate import UserError
+
 __all__ = ["COLLECTIVE_TIMEOUT_S", "QUANTIZE_TIMEOUT_S", "RankError", "disband", "gather",
            "init_from_env", "is_main", "launch_rank", "leave", "on_main", "rank", "shard", "share",
            "unshard", "world_size"]
@@ -29,7 +31,7 @@ COLLECTIVE_TIMEOUT_S = float(os.environ.get("FP4SENSE_RANK_TIMEOUT", "60"))
 QUANTIZE_TIMEOUT_S = float(os.environ.get("FP4SENSE_RANK_TIMEOUT", "3600"))
 
 
-class RankError(RuntimeError):
+class RankError(UserError, RuntimeError):
     """Another rank stopped (died or was killed) before the work met; nothing of this
     rank's finished entries is lost (they are in the analysis cache)."""
 
