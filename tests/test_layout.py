@@ -113,3 +113,31 @@ def test_a_view_without_a_rendering_gets_a_plain_table():
     assert "### Components, NVFP4 (estimated)" in page
     assert "### View attention_only, NVFP4 (estimated)" in page
     assert "| target | KL | ΔPPL | top-1 agreement |" in page
+
+
+def test_the_api_is_a_lazy_table_of_the_commands():
+    """``import fp4sense.api`` loads none of torch; each public name resolves, on first
+    use, to the function its stage package defines (one per command, push and verify
+    included)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fp4sense.api as api; assert 'torch' not in sys.modules, "
+            "sorted(m for m in sys.modules if m.startswith('torch'))[:3]")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import fp4sense.api as api
+
+    where = {"analyze_model": "fp4sense.diagnosis.run",
+             "quantize_model": "fp4sense.quantization.pipeline",
+             "evaluate_checkpoint": "fp4sense.evaluation.evaluate",
+             "verify_vllm": "fp4sense.evaluation.vllm_check",
+             "check_folder": "fp4sense.publishing.hub", "push": "fp4sense.publishing.hub",
+             "convert_gguf": "fp4sense.inputs.gguf", "ensure_assets": "fp4sense.inputs.assets",
+             "load_model": "fp4sense.inputs.models",
+             "analysis_windows": "fp4sense.inputs.models"}
+    assert set(api.__all__) == set(where) | {"BUNDLED_MODEL_NOTE"}
+    for name, module in where.items():
+        assert getattr(api, name).__module__ == module, name
+    with pytest.raises(AttributeError):
+        api.not_a_command  # noqa: B018

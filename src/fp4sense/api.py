@@ -1,107 +1,101 @@
-"""The Python API behind the CLI: one function per command, same arguments, same files.
+"""The Python API: one function per command, with the command line's arguments and
+files, imported when first used (``import fp4sense.api`` loads none of torch).
 
 >>> from fp4sense.api import analyze_model
 >>> report = analyze_model(schemes=["NVFP4", "MXFP4"], views=["component", "block"],
 ...                        out_dir="analysis")          # doctest: +SKIP
 
-``quantize_model`` (:mod:`fp4sense.quantization.pipeline`), ``evaluate_checkpoint``
-(:mod:`fp4sense.evaluation.evaluate`) and ``load_model`` / ``analysis_windows``
-(:mod:`fp4sense.inputs.models`) are importable from here as well.
+=====================  ==============  ===========================================
+name                   command         defined in
+=====================  ==============  ===========================================
+``analyze_model``      analyze         :mod:`fp4sense.diagnosis.run`
+``quantize_model``     quantize        :mod:`fp4sense.quantization.pipeline`
+``evaluate_checkpoint`` eval           :mod:`fp4sense.evaluation.evaluate`
+``verify_vllm``        verify-vllm     :mod:`fp4sense.evaluation.vllm_check`
+``check_folder``,      push            :mod:`fp4sense.publishing.hub`
+``push``
+``convert_gguf``       convert-gguf    :mod:`fp4sense.inputs.gguf`
+``ensure_assets``      setup           :mod:`fp4sense.inputs.assets`
+``load_model``,        (the inputs)    :mod:`fp4sense.inputs.models`
+``analysis_windows``,
+``BUNDLED_MODEL_NOTE``
+=====================  ==============  ===========================================
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
+from typing import TYPE_CHECKING
 
-from fp4sense.diagnosis import SensitivityReport
-from fp4sense.evaluation.evaluate import evaluate_checkpoint
-from fp4sense.inputs.models import (
-    BUNDLED_MODEL_NOTE,
-    DEFAULT_ANALYSIS_WINDOWS,
-    analysis_windows,
-    load_model,
-)
-from fp4sense.publishing.lineage import text_name
-from fp4sense.quantization.pipeline import quantize_model
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name loads on first use
+    from fp4sense.diagnosis.run import analyze_model
+    from fp4sense.evaluation.evaluate import evaluate_checkpoint
+    from fp4sense.evaluation.vllm_check import verify_vllm
+    from fp4sense.inputs.assets import ensure_assets
+    from fp4sense.inputs.gguf import convert_gguf
+    from fp4sense.inputs.models import BUNDLED_MODEL_NOTE, analysis_windows, load_model
+    from fp4sense.publishing.hub import check_folder, push
+    from fp4sense.quantization.pipeline import quantize_model
 
-__all__ = ["BUNDLED_MODEL_NOTE", "analysis_windows", "analyze_model", "evaluate_checkpoint",
-           "load_model", "quantize_model"]
+__all__ = ["BUNDLED_MODEL_NOTE", "analysis_windows", "analyze_model", "check_folder",
+           "convert_gguf", "ensure_assets", "evaluate_checkpoint", "load_model", "push",
+           "quantize_model", "verify_vllm"]
 
 
-def analyze_model(
-    model: str | os.PathLike | None = None,
-    *,
-    text: str | os.PathLike | None = None,
-    schemes: Sequence[str] = ("NVFP4", "MXFP4"),
-    views: Sequence[str] = ("component", "block"),
-    modes: Sequence[str] = ("measured",),
-    n_windows: int = DEFAULT_ANALYSIS_WINDOWS,
-    window_tokens: int = 512,
-    raw_windows: bool = False,
-    grid_blocks: Iterable[int] | None = None,
-    out_dir: str | os.PathLike | None = None,
-    cache: bool | str | os.PathLike = True,
-    plots: bool = True,
-    offload_dir: str | os.PathLike | None = None,
-    low_memory: bool = False,
-    device: str = "cpu",
-    dtype: str | None = None,
-    progress: bool = True,
-    log: Callable[[str], None] = print,
-) -> SensitivityReport:
-    """``fp4sense analyze``: analyze ``model`` and write sensitivity.json, report.md and
-    plots into ``out_dir`` (when given). Results are cached (resumable) in the fp4sense
-    cache, or in the folder ``cache`` names; ``cache=False`` turns that off.
-
-    ``device`` (auto, cpu, cuda, cuda:N) and ``dtype`` (float32, bfloat16) say where it
-    computes (default: the protocol's CPU float32). Under torchrun the ranks share the
-    work through torch.distributed, and rank 0 writes ``out_dir``. ``low_memory`` holds
-    one decoder block's weights at a time, read from the model's own safetensors files
-    (``offload_dir`` does the same from copies, for models whose files cannot be read
-    so). ``raw_windows``: windows of text tokens only, without the tokens the tokenizer
-    starts a sequence with (:func:`fp4sense.inputs.texts.make_windows`)."""
-    from fp4sense.diagnosis import analyze, check_request
-    from fp4sense.evaluation.metrics import implausible
-    from fp4sense.inputs.texts import window_prefix
-    from fp4sense.reports.analysis import write_analysis
-    from fp4sense.runtime import distributed
-    from fp4sense.runtime.devices import resolve
-    from fp4sense.validate import check_analysis_output
-
-    schemes = check_request(schemes, views, modes)  # bad input fails before loading
-    placement = resolve(device, dtype, log=log)
-    cache_folder = check_analysis_output(out_dir, cache)
-    if offload_dir is not None:
-        from fp4sense.diagnosis.offload import check_offload_dir
-
-        check_offload_dir(Path(offload_dir))
-    distributed.init_from_env(placement.device)
-    if not distributed.is_main():
-        log = _quiet  # rank 0 speaks for the run
-        progress = False
-    # offloaded blocks are loaded onto the device one at a time; the rest moves there
-    hf_model, tokenizer, notes = load_model(
-        model, placement.dtype, "cpu" if offload_dir is not None else placement.device,
-        low_memory=low_memory)
-    windows = analysis_windows(tokenizer, text, n_windows, window_tokens, raw_windows)
-    report = analyze(
-        hf_model, windows, schemes=schemes, views=views, modes=modes, grid_blocks=grid_blocks,
-        cache_dir=cache_folder,
-        text={"source": text_name(text),
-              "window_prefix": window_prefix(tokenizer, raw_windows)},
-        progress=progress, log=log, offload_dir=offload_dir, device=placement.device,
-    )
-    warning = implausible(report.base_ppl, hf_model.config.get_text_config().vocab_size)
-    if warning:
-        log(warning)
-    if out_dir is not None and distributed.is_main():
-        paths = write_analysis(report, Path(out_dir), notes=notes, plots=plots)
-        for key, path in paths.items():
-            log(f"{key:12s} {path}")
-    return report
+def _run():
+    from fp4sense.diagnosis import run
+    return run
 
 
-def _quiet(message: str) -> None:
-    """The log of ranks other than 0."""
+def _pipeline():
+    from fp4sense.quantization import pipeline
+    return pipeline
+
+
+def _evaluate():
+    from fp4sense.evaluation import evaluate
+    return evaluate
+
+
+def _vllm_check():
+    from fp4sense.evaluation import vllm_check
+    return vllm_check
+
+
+def _hub():
+    from fp4sense.publishing import hub
+    return hub
+
+
+def _gguf():
+    from fp4sense.inputs import gguf
+    return gguf
+
+
+def _assets():
+    from fp4sense.inputs import assets
+    return assets
+
+
+def _models():
+    from fp4sense.inputs import models
+    return models
+
+
+#: public name -> the function returning the module that defines it
+_WHERE = {"analyze_model": _run, "quantize_model": _pipeline,
+          "evaluate_checkpoint": _evaluate, "verify_vllm": _vllm_check,
+          "check_folder": _hub, "push": _hub, "convert_gguf": _gguf,
+          "ensure_assets": _assets, "load_model": _models, "analysis_windows": _models,
+          "BUNDLED_MODEL_NOTE": _models}
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'fp4sense.api' has no attribute {name!r}")
+    value = getattr(_WHERE[name](), name)
+    globals()[name] = value  # once loaded, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,5 +1,6 @@
 """The diagnosis stage: measured and estimated FP4 sensitivity of a model's units.
 
+``run.analyze_model`` is the analyze command (load, analyze, write the report);
 ``views.analyze`` runs an analysis and returns a :class:`report.SensitivityReport`
 (saved as sensitivity.json); ``engine.Analysis`` does the work (block-output replay,
 the Fisher estimate; ``blockio``: a decoder block's call, kept and replayed), ``cache``

@@ -17,15 +17,8 @@ from pathlib import Path
 
 from fp4sense.validate import EXIT_HUB_ERROR, UserError
 
-__all__ = [
-    "HubError",
-    "HubFile",
-    "PushError",
-    "ReadyFolder",
-    "check_folder",
-    "push",
-    "validate_model_card",
-]
+__all__ = ["HubError", "HubFile", "PushError", "ReadyFolder", "check_folder", "push",
+           "validate_model_card"]
 
 CARD_NAME = "README.md"
 # The Hub's license identifiers (https://huggingface.co/docs/hub/repositories-licenses);
