@@ -1,7 +1,7 @@
-"""Bad input and faults through every front door: one clear line (exit code per README),
+"""Bad input and faults through every front door: one clear line (exit codes: docs/cli.md),
 the culprit named, nothing written or lost, no wrong success.
 
-Tiny random models keep it fast. The cases are counted in README's reliability section
+Tiny random models keep it fast. The cases are counted in docs/reliability.md
 (`pytest tests/test_robustness.py --collect-only -q`)."""
 
 from __future__ import annotations

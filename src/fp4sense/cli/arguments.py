@@ -204,7 +204,7 @@ def verify_vllm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default="The President of the United States said that")
     p.add_argument("--serve-python", default=None, help="python of the vLLM environment")
     p.add_argument("--max-abs", type=non_negative_float, default=None,
-                   help="limit on max |d logprob| (default: by scheme, see README)")
+                   help="limit on max |d logprob| (default: by scheme, see docs/vllm.md)")
     p.add_argument("--mean-abs", type=non_negative_float, default=None,
                    help="limit on mean |d logprob|")
     p.add_argument("--ppl-rel", type=non_negative_float, default=None,

@@ -65,7 +65,7 @@ class Tolerance:
 
 
 #: Derived from the spread measured on SmolLM2 (2 evaluation windows, float32 on both
-#: sides; numbers in README). Weight-only checkpoints (NVFP4A16): max 0.12, mean 0.008
+#: sides; numbers in docs/vllm.md). Weight-only checkpoints (NVFP4A16): max 0.12, mean 0.008
 #: nats, perplexities within 0.1%; the limits leave about 8x room while a wrong scale or
 #: a mis-packed nibble moves the mean by far more than 0.05.
 WEIGHT_ONLY_TOLERANCE = Tolerance(max_abs=1.0, mean_abs=0.05, ppl_rel=0.01)
@@ -172,6 +172,10 @@ def run_vllm_many(folders: Sequence[Path], windows: Sequence[torch.Tensor], prom
                 lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
                 errors = [ln for ln in lines if "Error" in ln or "error" in ln]
                 last = (errors or lines or ["no output"])[-1].strip()
+                if "hadacore_transform" in last:  # a rotated checkpoint, no Hadamard kernel
+                    last += ("; this vLLM has no kernel for the checkpoint's Hadamard "
+                             "transforms here: install fp4sense-vllm (CPU) or serve on a "
+                             "CUDA GPU")
                 raise VerifyError(f"vLLM could not run {folder}: {last}")
         return [json.loads(result.read_text()) for result in results]
 
