@@ -65,8 +65,6 @@ def test_every_user_error_is_typed_with_its_exit_code():
 
     errors = {}
     for info in pkgutil.walk_packages(fp4sense.__path__, "fp4sense."):
-        if info.name.endswith("_moved"):
-            continue
         module = importlib.import_module(info.name)
         for name, obj in vars(module).items():
             if (isinstance(obj, type) and issubclass(obj, Exception) and obj.__module__ ==

@@ -1,17 +1,14 @@
 """The layout by stage (docs/architecture.md): every package says what it holds, no
-module grows past the size one reader takes in, and 0.4's module paths still import for
-one release, as the very same modules, with a deprecation warning."""
+module grows past the size one reader takes in, and 0.4's module paths, deprecated for
+0.5, are gone in 0.6 as announced."""
 
-import ast
 import importlib
 import pkgutil
-import warnings
 from pathlib import Path
 
 import pytest
 
 import fp4sense
-from fp4sense._moved import ALIAS_REMOVED_IN, MOVED
 
 SRC = Path(fp4sense.__file__).parent
 # "none much over 350 lines" (the house issue): a little slack for a docstring
@@ -33,39 +30,23 @@ def test_no_module_over_the_size_limit():
 
 def test_top_level_holds_only_front_doors_and_edges():
     top = sorted(p.name for p in SRC.glob("*.py"))
-    assert top == ["__init__.py", "__main__.py", "_moved.py", "api.py", "validate.py"]
+    assert top == ["__init__.py", "__main__.py", "api.py", "validate.py"]
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_moved_module_is_the_new_module_and_warns(old):
-    new = MOVED[old]
-    assert new.startswith("fp4sense.") and importlib.util.find_spec(new) is not None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        importlib.import_module("sys").modules.pop(old, None)
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new)
-    assert any(issubclass(w.category, DeprecationWarning) and old in str(w.message)
-               and new in str(w.message) and ALIAS_REMOVED_IN in str(w.message)
-               for w in caught)
+#: 0.4's module paths (aliases in 0.5, announced for removal in 0.6)
+REMOVED_IN_06 = ["fp4sense.e2m1", "fp4sense.formats", "fp4sense.fp4", "fp4sense.schemes",
+                 "fp4sense.fakequant", "fp4sense.scale_search", "fp4sense.units",
+                 "fp4sense.sensitivity", "fp4sense.diagnosis.report", "fp4sense.planner",
+                 "fp4sense.quantize", "fp4sense.hosts", "fp4sense.quantized",
+                 "fp4sense.metrics", "fp4sense.verify", "fp4sense.data", "fp4sense.models",
+                 "fp4sense.assets", "fp4sense.gguf", "fp4sense.report", "fp4sense.model_card",
+                 "fp4sense.hub", "fp4sense.lineage", "fp4sense.cli_args"]
 
 
-def test_from_import_of_a_moved_module():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from fp4sense import formats, schemes
-    from fp4sense.numerics import formats as new_formats
-    from fp4sense.numerics import schemes as new_schemes
-    assert formats is new_formats and schemes is new_schemes
-
-
-def test_aliases_name_only_fp4sense_modules():
-    """The alias module's import by name is the one exception to the import contract:
-    it may only reach fp4sense's own modules."""
-    assert all(v.startswith("fp4sense.") for v in MOVED.values())
-    tree = ast.parse((SRC / "_moved.py").read_text())
-    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    assert "import_module" in names  # the one use: create_module(MOVED[...])
+@pytest.mark.parametrize("old", REMOVED_IN_06)
+def test_the_04_module_paths_are_gone(old):
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)
 
 
 def test_plan_of_04_loads_with_its_old_field_name(tmp_path):
@@ -79,8 +60,7 @@ def test_plan_of_04_loads_with_its_old_field_name(tmp_path):
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     loaded = Plan.load(tmp_path / "plan.json")
     assert loaded.damage_source == "estimated"
-    with pytest.warns(DeprecationWarning, match="damage_source"):
-        assert loaded.score == "estimated"
+    assert not hasattr(loaded, "score")  # 0.5's deprecated alias, gone in 0.6
 
 
 def test_python_m_fp4sense_is_the_cli():

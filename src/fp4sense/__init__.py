@@ -7,10 +7,6 @@ with ``numerics`` beneath them all and ``cli`` / ``api`` as the front doors
 (docs/architecture.md).
 """
 
-from fp4sense import _moved
-
 __version__ = "0.5.0"
 
 __all__ = ["__version__"]
-
-_moved.install()

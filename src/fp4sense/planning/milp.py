@@ -88,15 +88,6 @@ class Plan:
                 / sum(c.numel * c.active for c in self.choices))
 
     @property
-    def score(self) -> str:
-        """0.4's name of :attr:`damage_source`; deprecated, goes in 0.6."""
-        import warnings
-
-        warnings.warn("Plan.score is now Plan.damage_source; the alias goes in 0.6",
-                      DeprecationWarning, stacklevel=2)
-        return self.damage_source
-
-    @property
     def predicted_kl(self) -> float:
         return float(sum(c.damage for c in self.choices))
 
