@@ -121,3 +121,20 @@ def test_the_api_is_a_lazy_table_of_the_commands():
         assert getattr(api, name).__module__ == module, name
     with pytest.raises(AttributeError):
         api.not_a_command  # noqa: B018
+
+
+def test_every_module_is_named_in_its_package_and_in_the_layout_page():
+    """Docs drift: each module of a package is named in the package's docstring and in
+    docs/layout.md."""
+    layout = (SRC.parents[1] / "docs" / "layout.md").read_text()
+    missing = []
+    for package in sorted(p for p in SRC.iterdir() if (p / "__init__.py").is_file()):
+        doc = importlib.import_module(f"fp4sense.{package.name}").__doc__ or ""
+        for module in sorted(package.glob("*.py")):
+            if module.name == "__init__.py":
+                continue
+            if module.stem not in doc:
+                missing.append(f"{package.name}/{module.name}: not in the package docstring")
+            if module.name not in layout:
+                missing.append(f"{package.name}/{module.name}: not in docs/layout.md")
+    assert missing == []

@@ -1,6 +1,7 @@
 """The ``fp4sense`` command line: one argument function per command (``arguments``,
 reused by ``optimum-cli fp4sense``) and the actions with one error-to-exit-code mapping
-(``commands``). A new command is one entry in ``commands.COMMANDS``."""
+(``commands``), and its streams (``streams``: the ``--json`` stdout, a one-line
+Ctrl-C or SIGTERM). A new command is one entry in ``commands.COMMANDS``."""
 
 from fp4sense.cli.commands import (
     COMMANDS,

@@ -5,7 +5,8 @@
 (saved as sensitivity.json); ``engine.Analysis`` does the work (block-output replay,
 the Fisher estimate; ``blockio``: a decoder block's call, kept and replayed), ``cache``
 keeps finished entries (resumable), ``offload`` keeps one decoder block in memory at a
-time, ``stats`` holds the statistics over windows, ``units`` splits a model into units
+time, ``footprint`` says what the caches will hold, ``results`` holds the report and
+its entries, ``stats`` the statistics over windows, ``units`` splits a model into units
 and ``experts`` finds MoE experts, routers and weights nothing explains. A new
 view is one :func:`views.register_view` (its targets and how a measured run replays it).
 """
