@@ -13,22 +13,10 @@ import torch
 
 from conftest import FP4SENSE, SMALL
 from families import make_family_model
+from helpers import FP32, uniform_checkpoint
 
-FP32 = {"dtype": "float32", "stored_dtype": "bfloat16", "window_prefix": []}
 #: quantization parameters a format keeps in float32 whatever the model's dtype
 FIXED_FLOAT32 = ("weight_global_scale", "input_global_scale")
-
-
-def _uniform_checkpoint(base, calib, units, scheme: str, work, calibration: dict | None):
-    """``base`` with every unit ``scheme``, through the registered quantizer (the plugin's
-    oneshot), calibrated as ``calibration`` says."""
-    from fp4sense.quantization.hosts import quantizer
-    from fp4sense.quantization.rounded import uniform_plan
-
-    work.mkdir(parents=True)
-    uniform_plan(units, scheme, "tiny", "", calibration).save(work / "plan.json")
-    recipe = quantizer()(str(base), calib, work, plan="plan.json")
-    return recipe
 
 
 @pytest.mark.slow
@@ -57,7 +45,7 @@ def test_float32_calibration_is_what_the_estimate_scores_bit_for_bit(family, ass
     stored = load_file(base / "model.safetensors")
     for scheme in ("NVFP4", "MXFP4", "FP8_DYNAMIC"):
         work = tmp_path / scheme
-        recipe = _uniform_checkpoint(base, calib, units, scheme, work, FP32)
+        recipe = uniform_checkpoint(base, calib, units, scheme, work, FP32)
         assert recipe.startswith("# fp4sense: calibrated in float32, unquantized tensors "
                                  "stored in bfloat16.")
         assert 'precision="float32"' in recipe
@@ -95,7 +83,7 @@ def test_both_dtypes_store_the_same_tensors(tiny_llama, text_file,
     units = find_units(model, calib[:1, :16])
     files = {}
     for label, calibration in (("bf16", None), ("fp32", FP32)):
-        _uniform_checkpoint(tiny_llama, calib, units, "NVFP4", tmp_path / label, calibration)
+        uniform_checkpoint(tiny_llama, calib, units, "NVFP4", tmp_path / label, calibration)
         files[label] = load_file(tmp_path / label / "model.safetensors")
     assert files["bf16"].keys() == files["fp32"].keys()
     for name, tensor in files["bf16"].items():

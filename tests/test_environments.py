@@ -104,8 +104,8 @@ print(fp4sense_vllm.registered())
 
 
 def _serve_check(serve_python, script: str) -> dict:
-    """Run a check script of tests/ in the serve environment; its last line, as JSON."""
-    proc = subprocess.run([str(serve_python), str(REPO / "tests" / script)],
+    """Run a check script of tests/serve/ in the serve environment; its last line, as JSON."""
+    proc = subprocess.run([str(serve_python), str(REPO / "tests" / "serve" / script)],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -114,7 +114,7 @@ def _serve_check(serve_python, script: str) -> dict:
 @pytest.mark.vllm
 def test_formats_bit_exact_with_compressed_tensors_017(serve_python):
     """The same numerics checks against compressed-tensors 0.17 (vLLM's pin)."""
-    report = _serve_check(serve_python, "serve_formats_check.py")
+    report = _serve_check(serve_python, "formats_check.py")
     assert report["compressed_tensors"] == "0.17.0"
     assert report["cases"] >= 30 and report["mismatches"] == [], report["mismatches"]
 
@@ -125,7 +125,7 @@ def test_nvfp4_dequantization_bit_exact_with_vllms_own_code(serve_python):
     bf16 / fp16 weights bit for bit; float32 within 2 units in the last place, because vLLM
     multiplies by a rounded reciprocal of the global scale (two roundings) where
     compressed-tensors, and so fp4sense, divides once."""
-    report = _serve_check(serve_python, "serve_vllm_dequant_check.py")
+    report = _serve_check(serve_python, "vllm_dequant_check.py")
     assert report["vllm"] == "0.32.0"
     assert report["cases"] >= 27 and report["mismatches"] == [], report["mismatches"]
     assert report["max_ulp_f32"] <= 2

@@ -48,7 +48,7 @@ def test_sensitivity_guided_recipe_with_gptq_runs_through_oneshot(tiny_llama, tm
 
     import fp4sense_llmcompressor  # noqa: F401
     from fp4sense.checkpoint.checks import effective_bits
-    from test_schemes import _calibration
+    from helpers import calibration_dataset
 
     recipe = yaml.safe_load((REPO / "examples" / "sensitivity_guided_recipe.yaml").read_text())
     planner = recipe["quant_stage"]["quant_modifiers"]["SensitivityGuidedModifier"]
@@ -58,7 +58,7 @@ def test_sensitivity_guided_recipe_with_gptq_runs_through_oneshot(tiny_llama, tm
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
-    oneshot(model=model, recipe=str(path), dataset=_calibration(tiny_llama),
+    oneshot(model=model, recipe=str(path), dataset=calibration_dataset(tiny_llama),
             num_calibration_samples=4, max_seq_length=64)
     model.save_pretrained(tmp_path / "ck", save_compressed=True)
     qcfg = json.loads((tmp_path / "ck" / "config.json").read_text())["quantization_config"]
@@ -123,7 +123,7 @@ def test_qad_recipe_trains_after_gptq_through_oneshot(tiny_llama, tmp_path, monk
 
     import fp4sense_llmcompressor  # noqa: F401
     from fp4sense.checkpoint.checks import check_checkpoint
-    from test_schemes import _calibration
+    from helpers import calibration_dataset
 
     recipe = yaml.safe_load((REPO / "examples" / "qad_recipe.yaml").read_text())
     stage = recipe["quant_stage"]["quant_modifiers"]
@@ -132,7 +132,7 @@ def test_qad_recipe_trains_after_gptq_through_oneshot(tiny_llama, tmp_path, monk
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))  # the modifiers' order
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
-    oneshot(model=model, recipe=str(path), dataset=_calibration(tiny_llama),
+    oneshot(model=model, recipe=str(path), dataset=calibration_dataset(tiny_llama),
             num_calibration_samples=4, max_seq_length=64)
     assert len(passes) == 2  # SensitivityGuidedModifier, GPTQModifier
     model.save_pretrained(tmp_path / "ck", save_compressed=True)

@@ -24,10 +24,10 @@ def _groups(block: str) -> list[list[str]]:
 def test_weights_equal_the_decompressed_checkpoint(scheme, tiny_llama, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from test_schemes import _calibration, _oneshot
+    from helpers import calibration_dataset, oneshot_checkpoint
 
-    data = _calibration(tiny_llama) if MENU[scheme].activations else None
-    ck = _oneshot(tiny_llama, scheme, tmp_path / scheme, dataset=data)
+    data = calibration_dataset(tiny_llama) if MENU[scheme].activations else None
+    ck = oneshot_checkpoint(tiny_llama, scheme, tmp_path / scheme, dataset=data)
     base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
     served = AutoModelForCausalLM.from_pretrained(ck, dtype=torch.bfloat16)
     served(input_ids=torch.tensor([[1, 2]]))  # the first forward decompresses

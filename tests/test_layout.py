@@ -81,11 +81,11 @@ def test_a_view_without_a_rendering_gets_a_plain_table():
 
     from fp4sense.diagnosis import analyze
     from fp4sense.reports.analysis import RENDERINGS, markdown
-    from test_sensitivity import _ToyLM
+    from helpers import ToyLM
 
     assert {"component", "block_isolate", "grid"} <= set(RENDERINGS)
     windows = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    report = analyze(_ToyLM().eval(), windows, schemes=["NVFP4"], views=["component"],
+    report = analyze(ToyLM().eval(), windows, schemes=["NVFP4"], views=["component"],
                      modes=["estimated"], progress=False, log=lambda m: None)
     extra = dataclasses.replace(report.entries[0], view="attention_only", target="attn")
     report.entries.append(extra)

@@ -137,14 +137,14 @@ def test_expert_weights_equal_the_checkpoint_llm_compressor_writes(scheme, moe_m
                                                                    tmp_path):
     from fp4sense.checkpoint.loading import load_checkpoint
     from fp4sense.diagnosis.units import find_units, quantize_unit
-    from test_schemes import _oneshot
+    from helpers import oneshot_checkpoint
 
     source = moe_models["qwen3_moe"]
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     recipe = QuantizationModifier(targets=["Linear"], scheme=scheme,
                                   ignore=["lm_head", r"re:.*mlp\.gate$"])
-    served, _, _ = load_checkpoint(_oneshot(source, scheme, tmp_path / scheme,
+    served, _, _ = load_checkpoint(oneshot_checkpoint(source, scheme, tmp_path / scheme,
                                             recipe=recipe))
     base = _load(source)
     checked = 0

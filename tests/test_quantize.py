@@ -149,11 +149,11 @@ def test_modifier_estimates_from_calibration_data_and_composes_with_gptq(tiny_ll
 
     from fp4sense.checkpoint.checks import check_checkpoint, effective_bits
     from fp4sense_llmcompressor import SensitivityGuidedModifier
-    from test_schemes import _calibration
+    from helpers import calibration_dataset
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
     planner = SensitivityGuidedModifier(budget_bits=6.0, analysis_windows=2)
-    oneshot(model=model, recipe=[planner, GPTQModifier()], dataset=_calibration(tiny_llama),
+    oneshot(model=model, recipe=[planner, GPTQModifier()], dataset=calibration_dataset(tiny_llama),
             num_calibration_samples=4, max_seq_length=64)
     assert planner.applied_plan is not None and planner.applied_plan.damage_source == "estimated"
     out = tmp_path / "gptq"

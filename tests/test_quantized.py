@@ -15,10 +15,10 @@ def test_bake_weights_keeps_logits_bit_identical(scheme, tiny_llama):
 
     import fp4sense_llmcompressor  # noqa: F401
     from fp4sense.checkpoint.loading import bake_weights
-    from test_schemes import _calibration
+    from helpers import calibration_dataset
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
-    oneshot(model=model, dataset=_calibration(tiny_llama), num_calibration_samples=4,
+    oneshot(model=model, dataset=calibration_dataset(tiny_llama), num_calibration_samples=4,
             max_seq_length=64, recipe=QuantizationModifier(targets=["Linear"], scheme=scheme,
                                                            ignore=["lm_head"]))
     ids = torch.randint(0, 49152, (2, 40), generator=torch.Generator().manual_seed(5))

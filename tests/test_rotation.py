@@ -96,9 +96,9 @@ def _amax_giving(global_scale: torch.Tensor) -> float:
 
 
 def _uniform_rotated(base, calib, units, scheme: str, work):
-    from test_calibration_dtype import FP32, _uniform_checkpoint
+    from helpers import FP32, uniform_checkpoint
 
-    return _uniform_checkpoint(base, calib, units, scheme, work, FP32)
+    return uniform_checkpoint(base, calib, units, scheme, work, FP32)
 
 
 @pytest.mark.slow
@@ -224,7 +224,7 @@ def test_the_cpu_hadamard_kernel_is_vllms_op(serve_python):
     """The plugin defines vLLM's ``_C::hadacore_transform`` for the CPU: what vLLM's own
     test expects of the CUDA kernel (x times the normalized Hadamard matrix), and bit for
     bit the calibration's rotation of each block."""
-    script = Path(__file__).with_name("serve_hadamard_check.py")
+    script = Path(__file__).parent / "serve" / "hadamard_check.py"
     done = subprocess.run([str(serve_python), str(script)], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

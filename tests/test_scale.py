@@ -684,9 +684,9 @@ def test_two_runs_appending_to_one_cache_never_tear_a_line(tmp_path):
 def test_streamed_estimate_of_a_model_of_no_known_family():
     """A decoder that is not a transformers model (no config, no ``use_cache``, blocks
     called with the hidden state alone) streams too, with the in-memory scores."""
-    from test_sensitivity import _ToyLM
+    from helpers import ToyLM
 
-    model = _ToyLM().eval()
+    model = ToyLM().eval()
     windows = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(0))
     run = Analysis(model, windows, find_units(model), EntryCache(None), False)
     assert run.estimate(["NVFP4"], streamed=True) == run.estimate(["NVFP4"], streamed=False)

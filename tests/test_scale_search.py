@@ -115,9 +115,9 @@ def test_search_scheme_checkpoint_is_standard_and_never_worse(tiny_llama, tmp_pa
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from test_schemes import _oneshot
+    from helpers import oneshot_checkpoint
 
-    out = _oneshot(tiny_llama, "NVFP4A16_SEARCH", tmp_path / "ck")
+    out = oneshot_checkpoint(tiny_llama, "NVFP4A16_SEARCH", tmp_path / "ck")
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qcfg["format"] == "nvfp4-pack-quantized"
     written = load_file(out / "model.safetensors")

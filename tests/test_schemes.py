@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from ct_reference import COMPRESSOR, as_bytes, same_bits
 from fp4sense.numerics import formats as F
@@ -17,6 +16,7 @@ from fp4sense.numerics.schemes import (
     get_scheme,
     to_quantization_scheme,
 )
+from helpers import calibration_dataset, oneshot_checkpoint
 
 EXPECTED_MENU = {"NVFP4", "NVFP4A16", "MXFP4", "MXFP4A16", "FP8_DYNAMIC", "INT8", "INT4", "BF16"}
 
@@ -67,32 +67,6 @@ def test_presets_registered_for_quantization_modifier():
         assert (resolved.input_activations is None) == (expected.input_activations is None)
 
 
-def _calibration(tokenizer_dir, n=4, length=64):
-    from datasets import Dataset
-
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 49152, (n, length), generator=g)
-    mask = torch.ones_like(ids)
-    return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask.tolist()})
-
-
-def _oneshot(model_dir, scheme, out_dir, dataset=None, recipe=None):
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-    from transformers import AutoModelForCausalLM
-
-    import fp4sense_llmcompressor  # noqa: F401
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    recipe = recipe or QuantizationModifier(targets=["Linear"], scheme=scheme, ignore=["lm_head"])
-    kwargs = {}
-    if dataset is not None:
-        kwargs = dict(dataset=dataset, num_calibration_samples=len(dataset), max_seq_length=64)
-    oneshot(model=model, recipe=recipe, **kwargs)
-    model.save_pretrained(out_dir, save_compressed=True)
-    return out_dir
-
-
 def _linear_shape(tensors: dict, linear: str) -> tuple[int, int]:
     """(out, in) of a stored linear, whatever its format."""
     if f"{linear}.weight_shape" in tensors:  # pack-quantized INT4
@@ -109,7 +83,8 @@ def test_bit_accounting_equals_written_bytes(scheme, tiny_llama, tmp_path):
     """bits_per_weight() == bytes compressed-tensors writes for each linear, every scheme."""
     from safetensors import safe_open
 
-    out = _oneshot(tiny_llama, scheme, tmp_path / scheme, dataset=_calibration(tiny_llama))
+    out = oneshot_checkpoint(tiny_llama, scheme, tmp_path / scheme,
+                             dataset=calibration_dataset(tiny_llama))
     with safe_open(str(out / "model.safetensors"), "pt") as fh:
         tensors = {k: fh.get_tensor(k) for k in fh.keys()}
     linears = sorted({k.rsplit(".", 1)[0] for k in tensors if ".layers." in k and "proj" in k})
@@ -131,7 +106,7 @@ def test_llmcompressor_checkpoint_bytes_match_ours(scheme, fmt, assets, smollm2_
     """What llm-compressor 0.14 writes for SmolLM2 (bf16, default observer) == compress()."""
     from safetensors.torch import load_file
 
-    out = _oneshot(assets["model"], scheme, tmp_path / scheme)
+    out = oneshot_checkpoint(assets["model"], scheme, tmp_path / scheme)
     written = load_file(out / "model.safetensors")
     fused = {"q_proj": ("q_proj", "k_proj", "v_proj"), "k_proj": ("q_proj", "k_proj", "v_proj"),
              "v_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj"),

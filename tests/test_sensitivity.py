@@ -20,6 +20,7 @@ from fp4sense.diagnosis import (
 from fp4sense.diagnosis.cache import EntryCache
 from fp4sense.diagnosis.engine import Analysis
 from fp4sense.diagnosis.units import UnitError, find_units
+from helpers import ToyLM
 
 
 def _random_windows(n=3, length=64, seed=0):
@@ -69,51 +70,9 @@ def test_other_families_split_by_structure(family):
     assert len(units.units) == 12
 
 
-class _ToyBlock(torch.nn.Module):
-    """A decoder block of no known family: other names, other nesting."""
-
-    def __init__(self, d=64):
-        super().__init__()
-        self.ln_a, self.ln_b = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-        self.to_q, self.to_k, self.to_v = (torch.nn.Linear(d, d) for _ in range(3))
-        self.to_out = torch.nn.Linear(d, d)
-        self.ffn = torch.nn.ModuleDict({"w1": torch.nn.Linear(d, 2 * d),
-                                        "w3": torch.nn.Linear(d, 2 * d),
-                                        "w2": torch.nn.Linear(2 * d, d)})
-
-    def forward(self, x):
-        h = self.ln_a(x)
-        att = torch.nn.functional.scaled_dot_product_attention(
-            self.to_q(h), self.to_k(h), self.to_v(h), is_causal=True)
-        x = x + self.to_out(att)
-        h = self.ln_b(x)
-        return x + self.ffn["w2"](torch.nn.functional.silu(self.ffn["w1"](h))
-                                  * self.ffn["w3"](h))
-
-
-class _ToyLM(torch.nn.Module):
-    def __init__(self, vocab=256, d=64, n=3):
-        super().__init__()
-        torch.manual_seed(0)
-        self.tok = torch.nn.Embedding(vocab, d)
-        self.trunk = torch.nn.ModuleList(_ToyBlock(d) for _ in range(n))
-        self.head = torch.nn.Linear(d, vocab, bias=False)
-
-    def get_input_embeddings(self):
-        return self.tok
-
-    def forward(self, input_ids):
-        x = self.tok(input_ids)
-        for block in self.trunk:
-            x = block(x)
-        from types import SimpleNamespace
-
-        return SimpleNamespace(logits=self.head(x))
-
-
 def test_a_model_of_no_known_family_is_split_by_structure():
     """Fused groups come from shared inputs, not from names."""
-    model = _ToyLM().eval()
+    model = ToyLM().eval()
     units = find_units(model)
     assert units.blocks_path == "trunk" and units.n_blocks == 3
     assert units.kinds == ["to_q+to_k+to_v", "to_out", "ffn.w1+w3", "ffn.w2"]

@@ -360,11 +360,12 @@ def test_a_recipe_run_from_another_folder_names_where_its_plan_is_read(quantized
 
     import fp4sense_llmcompressor  # noqa: F401
     from fp4sense.planning.milp import PlanError
-    from test_schemes import _calibration
+    from helpers import calibration_dataset
 
     monkeypatch.chdir(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     with pytest.raises(PlanError, match=r"plan 'plan\.json' not found from the current "
                        r"folder .*run it from the folder holding recipe\.yaml and plan\.json"):
         oneshot(model=model, recipe=str(quantized / "recipe.yaml"),
-                dataset=_calibration(tiny_llama), num_calibration_samples=2, max_seq_length=64)
+                dataset=calibration_dataset(tiny_llama), num_calibration_samples=2,
+                max_seq_length=64)

@@ -18,9 +18,9 @@ from fp4sense.checkpoint.checks import CheckpointError, check_checkpoint
 def tiny_nvfp4(tiny_llama, tmp_path_factory) -> Path:
     from transformers import AutoTokenizer
 
-    from test_schemes import _oneshot
+    from helpers import oneshot_checkpoint
 
-    out = _oneshot(tiny_llama, "NVFP4A16", tmp_path_factory.mktemp("ck") / "nvfp4a16")
+    out = oneshot_checkpoint(tiny_llama, "NVFP4A16", tmp_path_factory.mktemp("ck") / "nvfp4a16")
     AutoTokenizer.from_pretrained(tiny_llama).save_pretrained(out)
     return out
 
@@ -104,14 +104,15 @@ def _make_checkpoint(tiny_llama: Path, scheme: str, out: Path) -> Path:
     from transformers import AutoTokenizer
 
     from fp4sense.numerics.schemes import to_quantization_scheme
-    from test_schemes import _calibration, _oneshot
+    from helpers import calibration_dataset, oneshot_checkpoint
 
     recipe = None
     if scheme == "MIXED":
         groups = {f"group_{i}": to_quantization_scheme(name, targets)
                   for i, (name, targets) in enumerate(MIXED_GROUPS.items())}
         recipe = QuantizationModifier(config_groups=groups, ignore=["lm_head"])
-    _oneshot(tiny_llama, scheme, out, dataset=_calibration(tiny_llama), recipe=recipe)
+    oneshot_checkpoint(tiny_llama, scheme, out, dataset=calibration_dataset(tiny_llama),
+                       recipe=recipe)
     AutoTokenizer.from_pretrained(tiny_llama).save_pretrained(out)
     return out
 
@@ -159,14 +160,14 @@ def smollm2_nvfp4(assets, tmp_path_factory) -> Path:
     from transformers import AutoTokenizer
 
     from fp4sense.inputs.texts import protocol_windows
-    from test_schemes import _oneshot
+    from helpers import oneshot_checkpoint
 
     tok = AutoTokenizer.from_pretrained(assets["model"])
     ids = protocol_windows(tok, "calibration", 4)[:, :64]
     data = Dataset.from_dict({"input_ids": ids.tolist(),
                               "attention_mask": torch.ones_like(ids).tolist()})
     out = tmp_path_factory.mktemp("smollm2") / "smollm2-nvfp4"
-    _oneshot(assets["model"], "NVFP4", out, dataset=data)
+    oneshot_checkpoint(assets["model"], "NVFP4", out, dataset=data)
     tok.save_pretrained(out)
     return out
 

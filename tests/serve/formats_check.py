@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ct_reference
 from ct_reference import as_bytes, reference, same_bits, special_weights  # noqa: E402
 from fp4sense.numerics import formats as F  # noqa: E402
 from fp4sense.numerics import fp4  # noqa: E402

@@ -1,0 +1,89 @@
+"""Helpers several test modules share: a calibration dataset, llm-compressor's oneshot
+with one preset, a model of no known family, a uniform plan written as a checkpoint."""
+
+from __future__ import annotations
+
+import torch
+
+#: how a CPU run calibrates a bf16 base (plan.json's ``calibration``)
+FP32 = {"dtype": "float32", "stored_dtype": "bfloat16", "window_prefix": []}
+
+
+def calibration_dataset(tokenizer_dir, n=4, length=64):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 49152, (n, length), generator=g)
+    mask = torch.ones_like(ids)
+    return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask.tolist()})
+
+
+def oneshot_checkpoint(model_dir, scheme, out_dir, dataset=None, recipe=None):
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM
+
+    import fp4sense_llmcompressor  # noqa: F401
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    recipe = recipe or QuantizationModifier(targets=["Linear"], scheme=scheme, ignore=["lm_head"])
+    kwargs = {}
+    if dataset is not None:
+        kwargs = dict(dataset=dataset, num_calibration_samples=len(dataset), max_seq_length=64)
+    oneshot(model=model, recipe=recipe, **kwargs)
+    model.save_pretrained(out_dir, save_compressed=True)
+    return out_dir
+
+
+def uniform_checkpoint(base, calib, units, scheme: str, work, calibration: dict | None):
+    """``base`` with every unit ``scheme``, through the registered quantizer (the plugin's
+    oneshot), calibrated as ``calibration`` says."""
+    from fp4sense.quantization.hosts import quantizer
+    from fp4sense.quantization.rounded import uniform_plan
+
+    work.mkdir(parents=True)
+    uniform_plan(units, scheme, "tiny", "", calibration).save(work / "plan.json")
+    recipe = quantizer()(str(base), calib, work, plan="plan.json")
+    return recipe
+
+
+class ToyBlock(torch.nn.Module):
+    """A decoder block of no known family: other names, other nesting."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.ln_a, self.ln_b = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.to_q, self.to_k, self.to_v = (torch.nn.Linear(d, d) for _ in range(3))
+        self.to_out = torch.nn.Linear(d, d)
+        self.ffn = torch.nn.ModuleDict({"w1": torch.nn.Linear(d, 2 * d),
+                                        "w3": torch.nn.Linear(d, 2 * d),
+                                        "w2": torch.nn.Linear(2 * d, d)})
+
+    def forward(self, x):
+        h = self.ln_a(x)
+        att = torch.nn.functional.scaled_dot_product_attention(
+            self.to_q(h), self.to_k(h), self.to_v(h), is_causal=True)
+        x = x + self.to_out(att)
+        h = self.ln_b(x)
+        return x + self.ffn["w2"](torch.nn.functional.silu(self.ffn["w1"](h))
+                                  * self.ffn["w3"](h))
+
+
+class ToyLM(torch.nn.Module):
+    def __init__(self, vocab=256, d=64, n=3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = torch.nn.Embedding(vocab, d)
+        self.trunk = torch.nn.ModuleList(ToyBlock(d) for _ in range(n))
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def get_input_embeddings(self):
+        return self.tok
+
+    def forward(self, input_ids):
+        x = self.tok(input_ids)
+        for block in self.trunk:
+            x = block(x)
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self.head(x))
