@@ -20,7 +20,8 @@ rotated linear's input, shared by a fused group, against ``in * out`` for the li
 
     .venv/bin/python bench/rotation.py [--parts uniform,menu] [--budgets 5.0] [--verify]
 
-Results: bench/results/rotation.json. Run it alone (the oneshots compete for the cores).
+Results: bench/results/rotation.json and rotation.md (``--markdown`` rewrites the tables
+from the results so far). Run it alone (the oneshots compete for the cores).
 """
 
 from __future__ import annotations
@@ -117,15 +118,46 @@ def menu_row(menu_name: str, budget: float, gptq: bool, work: Path) -> dict:
             "folder": str(work)}
 
 
+def markdown(result: dict) -> str:
+    """The results as Markdown tables (bench/results/rotation.md)."""
+    rows = result["rows"]
+    lines = ["| uniform | RTN: bits | KL (± se) | PPL | top-1 | + GPTQ: KL (± se) |",
+             "|---|---|---|---|---|---|"]
+    for s in UNIFORM:
+        r, g = rows.get(f"uniform {s}"), rows.get(f"uniform {s} + GPTQ")
+        if r is None:
+            continue
+        gptq = f"{g['kl']:.4f} ± {g['kl_se']:.4f}" if g else "not run"
+        lines.append(f"| {s} | {r['effective_bits']:.3f} | {r['kl']:.4f} ± {r['kl_se']:.4f} "
+                     f"| {r['ppl']:.2f} | {r['top1']:.3f} | {gptq} |")
+    lines += ["", "| menu | budget | method | bits | KL (± se) | PPL | top-1 | rotated units "
+              "| transform MACs / linear MACs |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows.values():
+        if "menu" not in r:
+            continue
+        lines.append(f"| {' / '.join(MENUS[r['menu']])} | {r['budget']} | "
+                     f"{'plan + GPTQ' if r['gptq'] else 'plan RTN'} | {r['effective_bits']:.3f} | "
+                     f"{r['kl']:.4f} ± {r['kl_se']:.4f} | {r['ppl']:.2f} | {r['top1']:.3f} | "
+                     f"{r['rotated_units']} of {r['units']} | "
+                     f"{r['transform_macs_over_linear']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="uniform,menu")
     ap.add_argument("--budgets", default="5.0", help="W4A4 menu budgets (MX: 4.95)")
     ap.add_argument("--work", type=Path, default=RESULTS / ".rotation")
     ap.add_argument("--verify", action="store_true", help="verify-vllm the rotated rows")
+    ap.add_argument("--markdown", action="store_true", help="only write rotation.md from the "
+                    "results so far")
     args = ap.parse_args(argv)
     parts = args.parts.split(",")
     result = _load()
+    if args.markdown:
+        (RESULTS / "rotation.md").write_text(markdown(result))
+        print(markdown(result))
+        return 0
     result["command"] = "python bench/rotation.py " + " ".join(argv or sys.argv[1:])
     result["threads"] = torch.get_num_threads()
     jobs = []  # the rows the targets need first: a stopped run resumes where it ended
@@ -164,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                                  for f, v in zip(rotated, found, strict=False)} \
             or proc.stderr[-400:]
     _save(result)
-    print(json.dumps(result, indent=1))
+    (RESULTS / "rotation.md").write_text(markdown(result))
+    print(markdown(result))
     return 0
 
 
