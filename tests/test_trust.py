@@ -369,3 +369,29 @@ def test_a_recipe_run_from_another_folder_names_where_its_plan_is_read(quantized
         oneshot(model=model, recipe=str(quantized / "recipe.yaml"),
                 dataset=calibration_dataset(tiny_llama), num_calibration_samples=2,
                 max_seq_length=64)
+
+
+def test_local_records_of_checkpoints_with_the_same_plan_stay_apart(tmp_path, monkeypatch):
+    """Two checkpoints with identical plan.json (the same model quantized from two copies
+    of its folder) keep their own base; a renamed folder keeps its record; a copied one
+    finds the newest record of its plan whose base is still here."""
+    import shutil
+
+    from fp4sense.publishing.lineage import local_record, write_local_record
+
+    monkeypatch.setenv("FP4SENSE_CACHE", str(tmp_path / "cache"))
+    bases = [tmp_path / "base-a", tmp_path / "base-b"]
+    folders = [tmp_path / "ck-a", tmp_path / "ck-b"]
+    for base, folder in zip(bases, folders, strict=True):
+        base.mkdir()
+        folder.mkdir()
+        (folder / "plan.json").write_text('{"choices": []}')
+        write_local_record(folder, base=base)
+    assert [local_record(f)["base"] for f in folders] == [str(b.resolve()) for b in bases]
+    moved = tmp_path / "moved"
+    folders[0].rename(moved)
+    assert local_record(moved)["base"] == str(bases[0].resolve())
+    copy = tmp_path / "copy"
+    shutil.copytree(moved, copy)
+    shutil.rmtree(bases[1])  # the newest record's base is gone: the other one is found
+    assert local_record(copy)["base"] == str(bases[0].resolve())

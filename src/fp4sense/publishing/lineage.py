@@ -96,7 +96,8 @@ def text_name(text: str | os.PathLike | None) -> str:
 
 def _record_file(folder: Path) -> Path | None:
     """Where this machine keeps ``folder``'s local record: the fp4sense cache, under the
-    hash of the checkpoint's plan.json (it moves with the folder, and names its base)."""
+    hash of the checkpoint's plan.json and the folder's inode (a rename or ``mv`` keeps
+    both; two checkpoints with the same plan, from two copies of a base, stay apart)."""
     import hashlib
 
     from fp4sense.inputs.assets import cache_dir
@@ -104,7 +105,9 @@ def _record_file(folder: Path) -> Path | None:
     plan = Path(folder) / "plan.json"
     if not plan.is_file():
         return None
-    return cache_dir() / "local" / f"{hashlib.sha256(plan.read_bytes()).hexdigest()[:32]}.json"
+    st = os.stat(folder)
+    digest = hashlib.sha256(plan.read_bytes()).hexdigest()[:32]
+    return cache_dir() / "local" / f"{digest}-{st.st_dev}-{st.st_ino}.json"
 
 
 def write_local_record(folder: Path, **paths: str | os.PathLike | None) -> Path | None:
@@ -125,10 +128,18 @@ def write_local_record(folder: Path, **paths: str | os.PathLike | None) -> Path 
 def local_record(folder: Path) -> dict[str, str]:
     """The local paths :func:`write_local_record` kept for ``folder`` ({} if none; an
     earlier version's hidden file in the folder is read too)."""
-    for path in (_record_file(folder), Path(folder) / LOCAL_RECORD):
+    exact = _record_file(folder)
+    # a copied folder (another inode): the newest record of the same plan whose base is here
+    same_plan = ([] if exact is None else sorted(
+        exact.parent.glob(exact.name.split("-")[0] + "-*.json"),
+        key=lambda f: f.stat().st_mtime, reverse=True))
+    for path in (exact, *same_plan, Path(folder) / LOCAL_RECORD):
         try:
             if path is not None and path.is_file():
-                return json.loads(path.read_text())
+                record = json.loads(path.read_text())
+                if path in (exact, Path(folder) / LOCAL_RECORD) or Path(
+                        record.get("base", "")).exists():
+                    return record
         except (OSError, ValueError):
             continue
     return {}
