@@ -5,9 +5,9 @@ CPU, the first 16 evaluation windows).
 Rows (each resumable: a finished row is kept in the results file and skipped):
 
 - ``uniform``: every unit one scheme, round-to-nearest (RTN): NVFP4 vs NVFP4_H16 /
-  NVFP4_H64, MXFP4 vs MXFP4_H32 / MXFP4_H64; with GPTQ: MXFP4, MXFP4_H32, NVFP4,
-  NVFP4_H16 (the plugin's oneshot on a uniform plan, no estimate; SmolLM2's 576-wide
-  inputs take no 128-wide rotation);
+  NVFP4_H64, MXFP4 vs MXFP4_H32 / MXFP4_H64; with GPTQ: MXFP4, MXFP4_H32 (and, last,
+  NVFP4, NVFP4_H16) (the plugin's oneshot on a uniform plan, no estimate; SmolLM2's
+  576-wide inputs take no 128-wide rotation);
 - ``menu``: `quantize` (estimate, plan, searched-scale twins, RTN or GPTQ) with the W4A4
   menu {NVFP4, FP8_DYNAMIC, BF16} with and without {NVFP4_H16, NVFP4_H64}, and the MX
   menu {MXFP4, FP8_DYNAMIC, BF16} with and without {MXFP4_H32, MXFP4_H64}, at the given
@@ -163,15 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     jobs = []  # the rows the targets need first: a stopped run resumes where it ended
     if "uniform" in parts:
         jobs += [(f"uniform {s}", uniform_row, (s, False)) for s in UNIFORM]
-        jobs += [(f"uniform {s} + GPTQ", uniform_row, (s, True))
-                 for s in ("MXFP4", "MXFP4_H32", "NVFP4", "NVFP4_H16")]
-    if "menu" in parts:
+        jobs += [(f"uniform {s} + GPTQ", uniform_row, (s, True)) for s in ("MXFP4", "MXFP4_H32")]
+    if "menu" in parts:  # the menus with rotations first, then the plain ones
         budgets = [float(x) for x in args.budgets.split(",")]
         for g in (True, False):
-            jobs += [(f"{m} @ {b}{' + GPTQ' if g else ''}", menu_row, (m, b, g))
-                     for b in budgets for m in ("W4A4", "W4A4+H")]
-            jobs += [(f"{m} @ {MX_BUDGET}{' + GPTQ' if g else ''}", menu_row,
-                      (m, MX_BUDGET, g)) for m in ("MX", "MX+H")]
+            for m in ("W4A4+H", "MX+H", "W4A4", "MX"):
+                for b in budgets if m.startswith("W4A4") else [MX_BUDGET]:
+                    jobs.append((f"{m} @ {b}{' + GPTQ' if g else ''}", menu_row, (m, b, g)))
+    if "uniform" in parts:
+        jobs += [(f"uniform {s} + GPTQ", uniform_row, (s, True)) for s in ("NVFP4", "NVFP4_H16")]
     for name, fn, fn_args in jobs:
         if name in result["rows"]:
             continue
