@@ -87,3 +87,25 @@ class ToyLM(torch.nn.Module):
         from types import SimpleNamespace
 
         return SimpleNamespace(logits=self.head(x))
+
+
+def base_pass_inputs(model_dir, name: str, rotations=()):
+    """An Analysis of ``model_dir`` (float32, 2 random windows) after its base pass, and
+    the inputs the linear ``name`` saw in it (rows): (run, units, inputs)."""
+    from transformers import AutoModelForCausalLM
+
+    from fp4sense.diagnosis.cache import EntryCache
+    from fp4sense.diagnosis.engine import Analysis
+    from fp4sense.diagnosis.units import find_units
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    windows = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
+    units = find_units(model, windows[:1, :16])
+    run = Analysis(model, windows, units, EntryCache(None), False)
+    run.rotations = tuple(rotations)
+    seen = []
+    handle = run.modules[name].register_forward_pre_hook(
+        lambda _m, args: seen.append(args[0].detach().reshape(-1, args[0].shape[-1])))
+    run.base_pass()
+    handle.remove()
+    return run, units, torch.cat(seen)

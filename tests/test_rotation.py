@@ -287,12 +287,8 @@ def test_rotated_search_twins_weigh_the_rotated_inputs(tiny_llama):
     sees the rotated input and picks the same scales."""
     from compressed_tensors.transform import apply_transform_config
     from llmcompressor.observers import Observer
-    from transformers import AutoModelForCausalLM
 
     import fp4sense_llmcompressor  # noqa: F401
-    from fp4sense.diagnosis.cache import EntryCache
-    from fp4sense.diagnosis.engine import Analysis
-    from fp4sense.diagnosis.units import find_units
     from fp4sense.numerics import formats as F
     from fp4sense.numerics.fakequant import quantize_weights
     from fp4sense.numerics.scale_search import search_block_scales
@@ -300,18 +296,11 @@ def test_rotated_search_twins_weigh_the_rotated_inputs(tiny_llama):
 
     assert with_search_twins(["NVFP4_H16", "MXFP4_H32"]) == [
         "NVFP4_H16", "NVFP4_H16_SEARCH", "MXFP4_H32", "MXFP4_H32_SEARCH"]
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
-    windows = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
-    units = find_units(model, windows[:1, :16])
-    run = Analysis(model, windows, units, EntryCache(None), False)
-    run.rotations = (16,)
+    from helpers import base_pass_inputs
+
     name = "model.layers.1.mlp.down_proj"
-    seen = []
-    handle = run.modules[name].register_forward_pre_hook(
-        lambda _m, args: seen.append(args[0].detach().reshape(-1, args[0].shape[-1])))
-    run.base_pass()
-    handle.remove()
-    expected = rotate_input(torch.cat(seen), 16).square().mean(0)
+    run, units, inputs = base_pass_inputs(tiny_llama, name, rotations=(16,))
+    expected = rotate_input(inputs, 16).square().mean(0)
     assert torch.allclose(run.importance[(name, 16)], expected, rtol=1e-5)
     unit = next(u for u in units.units if name in u.modules)
     w = run.original[name]

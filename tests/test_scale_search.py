@@ -158,24 +158,13 @@ def test_analysis_scores_search_schemes_with_input_importance(tiny_llama):
     """The analysis's base pass keeps each linear's E[x^2] per input channel, and the
     ``*_SEARCH`` schemes' fake quantization searches block scales weighted by it (what
     the observer does with calibration data); the searched weights score lower."""
-    from transformers import AutoModelForCausalLM
 
-    from fp4sense.diagnosis.cache import EntryCache
-    from fp4sense.diagnosis.engine import Analysis
-    from fp4sense.diagnosis.units import find_units
     from fp4sense.numerics.fakequant import quantize_weights
+    from helpers import base_pass_inputs
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
-    windows = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
-    units = find_units(model, windows[:1, :16])
-    run = Analysis(model, windows, units, EntryCache(None), False)
     name = "model.layers.1.mlp.down_proj"
-    seen = []
-    handle = run.modules[name].register_forward_pre_hook(
-        lambda _m, args: seen.append(args[0].detach().reshape(-1, args[0].shape[-1])))
-    run.base_pass()
-    handle.remove()
-    expected = torch.cat(seen).square().mean(0)
+    run, units, inputs = base_pass_inputs(tiny_llama, name)
+    expected = inputs.square().mean(0)
     assert torch.allclose(run.importance[name], expected, rtol=1e-5)
     unit = next(u for u in units.units if name in u.modules)
     w = run.original[name]
