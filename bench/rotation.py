@@ -118,6 +118,24 @@ def menu_row(menu_name: str, budget: float, gptq: bool, work: Path) -> dict:
             "folder": str(work)}
 
 
+def transform_cost(scheme: str) -> dict:
+    """A uniform ``scheme`` plan of the bundled model: rotated units and the online
+    transforms' multiply-adds per token over the decoder linears' (a dense block product:
+    ``in x B`` per unit, its parts sharing the input, against ``in x out``)."""
+    from fp4sense.diagnosis.units import find_units
+    from fp4sense.inputs.models import load_model
+    from fp4sense.numerics.schemes import get_scheme
+
+    model, _, _ = load_model(None)
+    units = find_units(model).units
+    width = get_scheme(scheme).rotation
+    fit = [u for u in units if u.why_infeasible(scheme) is None]
+    macs = sum(width * u.in_features for u in fit)
+    return {"scheme": scheme, "rotated_units": len(fit), "units": len(units),
+            "rotated_linears": sum(len(u.modules) for u in fit),
+            "transform_macs_over_linear": macs / sum(u.numel for u in units)}
+
+
 def markdown(result: dict) -> str:
     """The results as Markdown tables (bench/results/rotation.md)."""
     rows = result["rows"]
@@ -149,11 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", default="5.0", help="W4A4 menu budgets (MX: 4.95)")
     ap.add_argument("--work", type=Path, default=RESULTS / ".rotation")
     ap.add_argument("--verify", action="store_true", help="verify-vllm the rotated rows")
+    ap.add_argument("--cost", metavar="SCHEME", help="only record the online transforms' "
+                    "cost of a uniform SCHEME plan of the bundled model")
     ap.add_argument("--markdown", action="store_true", help="only write rotation.md from the "
                     "results so far")
     args = ap.parse_args(argv)
     parts = args.parts.split(",")
     result = _load()
+    if args.cost:
+        result.setdefault("transform_cost", {})[args.cost] = transform_cost(args.cost)
+        _save(result)
+        print(json.dumps(result["transform_cost"][args.cost]))
+        return 0
     if args.markdown:
         (RESULTS / "rotation.md").write_text(markdown(result))
         print(markdown(result))
