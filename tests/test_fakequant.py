@@ -118,3 +118,12 @@ def test_activation_quantizer_equals_compressed_tensors_forward_quantize(scheme,
     args = to_quantization_scheme(scheme, ["Linear"]).input_activations
     expected = forward_quantize(ref_module, x.clone(), "input", args)
     assert torch.equal(activation_quantizer(scheme, amax)(x), expected)
+
+
+@pytest.mark.parametrize("scheme", sorted(s for s in MENU if MENU[s].activations is not None))
+def test_activation_quantizer_follows_its_inputs_device(scheme):
+    """The quantizer's own tensors (the static global scale, the rotation) go to the
+    input's device: a GPU model's inputs met a CPU global scale (the first GPU run). The
+    meta device stands in for a GPU here: a CPU tensor meeting it raises as CUDA does."""
+    x = torch.randn(4, 128, device="meta")
+    assert activation_quantizer(scheme, input_amax=3.0)(x).device == x.device

@@ -203,8 +203,13 @@ def activation_quantizer(
             amax = torch.tensor(float(input_amax))
             global_scale = generate_gparam(-amax, amax)
 
+        on: dict[torch.device, torch.Tensor] = {}  # the global scale on each input's device
+
         def quantize_fp4(x: torch.Tensor) -> torch.Tensor:
-            return fp4.quantize_dequantize_activations(x, fmt, global_scale)
+            gs = global_scale
+            if gs is not None and gs.device != x.device:
+                gs = on.setdefault(x.device, gs.to(x.device))
+            return fp4.quantize_dequantize_activations(x, fmt, gs)
 
         return quantize_fp4
 
