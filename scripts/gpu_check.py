@@ -16,6 +16,13 @@ Tolerances, and why:
 - the quantized checkpoint evaluated on the GPU vs the CPU: KL within 5% relative; the
   same for a checkpoint with block-Hadamard rotated units (NVFP4_H16), which stock vLLM
   (``--serve-python``, plugins off) must serve: verify-vllm's own limits.
+- the formats part (on the device alone): every kind of scheme (NVFP4, MXFP4, their
+  weight-only and rotated forms, FP8, INT8, INT4, a searched-scale twin) analysed in both
+  modes, and an MX plan with GPTQ quantized and evaluated: each step runs, every KL is
+  finite and positive, and the MX checkpoint's KL is below uniform MXFP4 round-to-nearest
+  (0.987 on the CPU, bench/results/stack_table.md).
+
+``--parts`` picks parts (default: all): protocol, checkpoint, rotated, formats.
 """
 
 from __future__ import annotations
@@ -73,11 +80,48 @@ def _table(report, view, mode) -> dict[str, float]:
             if e.view == view and e.mode == mode and e.scheme == "NVFP4"}
 
 
+PARTS = ("protocol", "checkpoint", "rotated", "formats")
+#: every kind of scheme: FP4 both formats, weight-only, rotated, searched, FP8 and INT
+FORMATS = ["NVFP4", "NVFP4A16", "NVFP4_SEARCH", "MXFP4", "MXFP4A16", "NVFP4_H16",
+           "MXFP4_H32", "MXFP4A16_H64", "FP8_DYNAMIC", "INT8", "INT4"]
+UNIFORM_MXFP4_RTN_KL = 0.9871  # CPU, 16 evaluation windows (bench/results/stack_table.md)
+
+
+def _formats(dev: str, out: Path, results: dict) -> None:
+    import math
+
+    rep = _step(f"analyze {dev} every format", dev, lambda: analyze_model(
+        device=dev, dtype="float32", schemes=FORMATS, views=["component"],
+        modes=["measured", "estimated"], n_windows=2, cache=False, plots=False,
+        progress=False), results)
+    if rep is not None:
+        kls = [e.kl for e in rep.entries]
+        ok = bool(kls) and all(math.isfinite(k) and k > 0 for k in kls)
+        results["checks"][f"every format analysed: {len(kls)} KLs finite and > 0"] = (
+            float(len(kls)), ok)
+        missing = sorted(set(FORMATS) - {e.scheme for e in rep.entries})
+        results["checks"]["every format analysed: none missing"] = (
+            float(len(missing)), not missing)
+    mx = out / "mx-gptq"
+    made = _step(f"quantize MX + GPTQ {dev}", dev, lambda: quantize_model(
+        out_dir=mx, budget_bits=4.95, menu=["MXFP4", "FP8_DYNAMIC", "BF16"], gptq=True,
+        device=dev, dtype="float32", evaluate=False, overwrite=True, progress=False), results)
+    if made is not None:
+        ev = _step(f"eval MX + GPTQ {dev} float32", dev, lambda: evaluate_checkpoint(
+            mx, device=dev, dtype="float32", progress=False), results)
+        if ev is not None:
+            results["eval_mx_gptq"] = {k: ev[k] for k in ("kl", "kl_se", "ppl", "top1")}
+            results["checks"]["MX plan + GPTQ: KL below uniform MXFP4 RTN"] = (
+                ev["kl"], math.isfinite(ev["kl"]) and ev["kl"] < UNIFORM_MXFP4_RTN_KL)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--out", type=Path, default=Path("gpu-check"))
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help=f"comma-separated, of {', '.join(PARTS)}")
     ap.add_argument("--serve-python", type=Path, default=None,
                     help="a CUDA vLLM environment's python: stock vLLM serves the rotated "
                     "checkpoint there, without the fp4sense plugin")
@@ -87,8 +131,33 @@ def main() -> int:
                      "steps": {}, "checks": {}, "errors": {}}
     if dev.startswith("cuda"):
         results["gpu"] = torch.cuda.get_device_name(torch.device(dev))
+    parts = set(args.parts.split(","))
+    if parts - set(PARTS):
+        ap.error(f"--parts: unknown {sorted(parts - set(PARTS))}; choose of {PARTS}")
+    results["parts"] = sorted(parts)
+    if "protocol" in parts:
+        _protocol(dev, args.windows, results)
+    if "checkpoint" in parts:
+        _checkpoint(dev, args.out, results)
+    if "rotated" in parts:
+        made = _rotated(dev, args.out, results)
+        if args.serve_python and made is not None:
+            _stock_vllm(args.out / "rotated", args.serve_python, results)
+    if "formats" in parts:
+        _formats(dev, args.out, results)
+    passed = not results["errors"] and all(ok for _, ok in results["checks"].values())
+    results["passed"] = passed
+    _save(results)
+    for name, (value, ok) in results["checks"].items():
+        print(f"{'PASS' if ok else 'FAIL'}  {name}: {value:.4f}")
+    for name in results["errors"]:
+        print(f"FAIL  step {name}: raised (gpu_check.json has its last lines)")
+    return 0 if passed else 1
+
+
+def _protocol(dev: str, windows: int, results: dict) -> None:
     common = dict(schemes=["NVFP4"], views=["component", "grid"],
-                  modes=["measured", "estimated"], n_windows=args.windows, cache=False,
+                  modes=["measured", "estimated"], n_windows=windows, cache=False,
                   plots=False, progress=False, grid_blocks=[])
     cpu = _step("analyze cpu float32", "cpu",
                 lambda: analyze_model(device="cpu", **common), results)
@@ -107,7 +176,9 @@ def main() -> int:
         rho = spearmanr([ce[k] for k in ce], [ge[k] for k in ce]).statistic
         results["checks"]["estimated float32: grid Spearman >= 0.9"] = (rho, rho >= 0.9)
 
-    ckpt = args.out / "checkpoint"
+
+def _checkpoint(dev: str, out: Path, results: dict) -> None:
+    ckpt = out / "checkpoint"
     made = _step(f"quantize {dev}", dev, lambda: quantize_model(
         out_dir=ckpt, budget_bits=4.75, device=dev, dtype="float32", evaluate=False,
         overwrite=True, progress=False), results)
@@ -122,10 +193,13 @@ def main() -> int:
                 rel, rel <= 0.05)
             results["eval"] = {side: {k: ev[k] for k in ("kl", "kl_se", "ppl", "top1")}
                                for side, ev in (("gpu", ev_gpu), ("cpu", ev_cpu))}
-    # a rotated checkpoint (issue 36): block-Hadamard NVFP4 units beside plain ones; on a
-    # GPU stock vLLM (no fp4sense plugin: VLLM_PLUGINS="") must serve it (hadacore, or
-    # QuTLASS's fused Hadamard + NVFP4 on Blackwell)
-    rotated = args.out / "rotated"
+
+
+def _rotated(dev: str, out: Path, results: dict):
+    """A rotated checkpoint (issue 36): block-Hadamard NVFP4 units beside plain ones; on a
+    GPU stock vLLM (no fp4sense plugin: VLLM_PLUGINS="") must serve it (hadacore, or
+    QuTLASS's fused Hadamard + NVFP4 on Blackwell)."""
+    rotated = out / "rotated"
     made = _step(f"quantize rotated {dev}", dev, lambda: quantize_model(
         out_dir=rotated, budget_bits=4.75, menu=["NVFP4", "NVFP4_H16", "FP8_DYNAMIC", "BF16"],
         pins={r".*mlp\.down_proj": "NVFP4_H16"}, device=dev, dtype="float32",
@@ -141,27 +215,21 @@ def main() -> int:
                 rel, rel <= 0.05)
             results["eval_rotated"] = {side: {k: ev[k] for k in ("kl", "kl_se", "ppl", "top1")}
                                        for side, ev in (("gpu", rg), ("cpu", rc))}
-    if args.serve_python and made is not None:
-        import os
-        import subprocess
+    return made
 
-        exe = str(Path(sys.executable).parent / "fp4sense")
-        done = subprocess.run([exe, "verify-vllm", str(rotated), "--serve-python",
-                               str(args.serve_python), "--json"], capture_output=True,
-                              text=True, env={**os.environ, "VLLM_PLUGINS": ""})
-        verdict = json.loads(done.stdout) if done.stdout.strip() else {}
-        results["rotated_stock_vllm"] = verdict or done.stderr[-2000:]
-        ok = bool(verdict.get("passed"))
-        results["checks"]["rotated checkpoint: stock vLLM (no plugin) passes"] = (
-            float(ok), ok)
-    passed = not results["errors"] and all(ok for _, ok in results["checks"].values())
-    results["passed"] = passed
-    _save(results)
-    for name, (value, ok) in results["checks"].items():
-        print(f"{'PASS' if ok else 'FAIL'}  {name}: {value:.4f}")
-    for name in results["errors"]:
-        print(f"FAIL  step {name}: raised (gpu_check.json has its last lines)")
-    return 0 if passed else 1
+
+def _stock_vllm(rotated: Path, serve_python: Path, results: dict) -> None:
+    import os
+    import subprocess
+
+    exe = str(Path(sys.executable).parent / "fp4sense")
+    done = subprocess.run([exe, "verify-vllm", str(rotated), "--serve-python",
+                           str(serve_python), "--json"], capture_output=True,
+                          text=True, env={**os.environ, "VLLM_PLUGINS": ""})
+    verdict = json.loads(done.stdout) if done.stdout.strip() else {}
+    results["rotated_stock_vllm"] = verdict or done.stderr[-2000:]
+    ok = bool(verdict.get("passed"))
+    results["checks"]["rotated checkpoint: stock vLLM (no plugin) passes"] = (float(ok), ok)
 
 
 if __name__ == "__main__":
