@@ -1,12 +1,17 @@
 """Every option defined once: each front door's names and defaults for QAD come from
 :class:`fp4sense.quantization.distill_settings.DistillSettings`, and a test fails when one
-differs (the command line, optimum-cli's reuse of it, the YAML modifier, the API)."""
+differs (the command line, optimum-cli's reuse of it, the YAML modifier, the API); the
+command line passes the API functions' own defaults; quantize's staged run takes exactly
+its front door's keywords."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from dataclasses import fields
+from pathlib import Path
+
+import pytest
 
 from fp4sense.quantization.distill_settings import DistillSettings, cli_options
 
@@ -47,3 +52,81 @@ def test_holdout_is_four_everywhere():
     """The drift that started this: --distill-holdout was 4, the API's and the YAML
     modifier's holdout 0, so the same step count trained differently."""
     assert DistillSettings(steps=1).holdout == 4 == cli_options()["holdout"][1]
+
+
+def _signature_defaults(fn) -> dict:
+    import inspect
+
+    return {name: p.default for name, p in inspect.signature(fn).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
+class _Called(Exception):
+    pass
+
+
+@pytest.mark.parametrize("argv,function,given", [
+    (["quantize", "--budget", "5", "--out", "x"], "quantize_model",
+     {"out_dir": Path("x"), "budget_bits": 5.0}),
+    # the command writes its report folder; the function returns the report
+    (["analyze"], "analyze_model", {"out_dir": Path("fp4sense-analysis")}),
+    (["eval", "ckpt"], "evaluate_checkpoint", {}),
+])
+def test_the_command_line_passes_the_apis_defaults(argv, function, given, monkeypatch):
+    """A command with no optional flag calls its API function with every keyword at the
+    function's own default (windows, tokens, menu, search, selection, ...): the signature
+    is the one definition, and a flag whose default drifts fails here. ``log`` and
+    ``progress`` follow ``--json``; what the command names itself is in ``given``."""
+    import inspect
+
+    from fp4sense import api
+    from fp4sense.cli import commands
+
+    real = getattr(api, function)
+    seen = {}
+
+    def capture(*args, **kwargs):
+        seen.update(kwargs, positional=args)
+        raise _Called
+
+    monkeypatch.setattr(api, function, capture)
+    monkeypatch.chdir(Path(__file__).parent)  # analyze's default --out is not written
+    args = commands.build_parser().parse_args(argv)
+    with pytest.raises(_Called):
+        args.func(args)
+    bound = inspect.signature(real).bind_partial(*seen.pop("positional"))
+    seen.update(bound.arguments)
+    for name, p in inspect.signature(real).parameters.items():
+        if name in given or name == "log" or p.default is inspect.Parameter.empty:
+            continue
+        value, default = seen[name], p.default
+        if isinstance(default, tuple) and isinstance(value, list):
+            value = tuple(value)
+        assert value == default, (f"{function}({name}=...): the command line passes "
+                                  f"{value!r}, the API's default is {default!r}")
+    for name, value in given.items():
+        assert seen[name] == value
+
+
+def test_the_staged_run_takes_exactly_the_front_doors_keywords():
+    """quantize_model's flat signature and QuantizeRequest.parse name the same keywords:
+    a keyword added to one and not the other fails here, not in a user's run."""
+    import inspect
+
+    from fp4sense.quantization.pipeline import quantize_model
+    from fp4sense.quantization.request import QuantizeRequest
+
+    flat = list(inspect.signature(quantize_model).parameters)
+    parsed = list(inspect.signature(QuantizeRequest.parse).parameters)
+    assert flat == parsed
+
+
+def test_a_quantize_result_reads_as_its_json():
+    from fp4sense.quantization.run import QuantizeResult
+
+    result = QuantizeResult("out", {"schemes": {}}, None, {"total_s": 1.0})
+    assert dict(result) == result.to_dict() == {"plan": {"schemes": {}},
+                                                "timings": {"total_s": 1.0}, "out": "out"}
+    assert "eval" not in result and result.get("eval") is None and result["out"] == "out"
+    other = QuantizeResult("out", rank=1)
+    assert "rank" in other and other.to_dict() == {"out": "out", "rank": 1}

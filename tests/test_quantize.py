@@ -114,16 +114,16 @@ def test_select_plans_measures_the_best_predicted_and_keeps_the_lowest(tiny_llam
 @pytest.mark.slow
 def test_interrupted_quantize_leaves_nothing_that_looks_complete(tiny_llama, text_file,
                                                                 tmp_path, monkeypatch):
-    from fp4sense.quantization import pipeline as quantize_module
+    from fp4sense.quantization import pipeline, run
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(quantize_module, "_oneshot_plan", interrupted)
+    monkeypatch.setattr(run, "oneshot_plan", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        quantize_module.quantize_model(tiny_llama, out_dir=tmp_path / "q", budget_bits=5.0,
-                                       text=text_file, calib_windows=4, estimate_windows=2,
-                                       window_tokens=64, progress=False, log=lambda m: None)
+        pipeline.quantize_model(tiny_llama, out_dir=tmp_path / "q", budget_bits=5.0,
+                                text=text_file, calib_windows=4, estimate_windows=2,
+                                window_tokens=64, progress=False, log=lambda m: None)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -64,7 +64,7 @@ def test_every_stage_sees_bos_first(assets, text_file, tmp_path, monkeypatch):
     from fp4sense.api import analyze_model, quantize_model
     from fp4sense.cli import commands
     from fp4sense.evaluation import vllm_check
-    from fp4sense.quantization import pipeline
+    from fp4sense.quantization import run
 
     base = make_family_model("gemma3", tmp_path / "gemma3", assets["model"])
     bos = _bos_tokenizer(assets).bos_token_id
@@ -74,13 +74,13 @@ def test_every_stage_sees_bos_first(assets, text_file, tmp_path, monkeypatch):
     assert report.text["window_prefix"] == [bos]
 
     seen = {}
-    real = pipeline._oneshot_plan
+    real = run.oneshot_plan
 
     def spy(source, calib, work, **kwargs):
         seen["calib"] = calib.clone()
         return real(source, calib, work, **kwargs)
 
-    monkeypatch.setattr(pipeline, "_oneshot_plan", spy)
+    monkeypatch.setattr(run, "oneshot_plan", spy)
     result = quantize_model(base, out_dir=tmp_path / "q", budget_bits=5.5, text=text_file,
                             calib_windows=4, estimate_windows=2, window_tokens=64,
                             eval_windows=2, progress=False, log=lambda m: None)

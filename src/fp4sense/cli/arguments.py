@@ -20,8 +20,9 @@ from fp4sense.validate import (
 )
 
 
-def pins_of(values: list[str] | None) -> dict[str, str]:
-    """``--pin UNIT_OR_REGEX=SCHEME`` values -> {pattern: scheme}, each regex compiled."""
+def pins_of(values: list[str] | None) -> dict[str, str] | None:
+    """``--pin UNIT_OR_REGEX=SCHEME`` values -> {pattern: scheme}, each regex compiled;
+    None without any (the API's default)."""
     pins = {}
     for item in values or []:
         pattern, sep, scheme = item.rpartition("=")
@@ -35,7 +36,7 @@ def pins_of(values: list[str] | None) -> dict[str, str]:
                              f"({exc}); escape dots and brackets, or name a unit such as "
                              "'3:mlp.down_proj'") from None
         pins[pattern] = scheme
-    return pins
+    return pins or None
 
 
 #: how the command line types each QAD setting it offers (names, defaults and help come

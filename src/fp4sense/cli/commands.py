@@ -194,7 +194,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     if "rank" in result:  # another rank of a torchrun launch: rank 0 speaks for the run
         return EXIT_OK
     if args.json:
-        _emit_json(result)
+        _emit_json(result.to_dict())
     else:
         print(f"checkpoint        {result['out']}")
         e = result.get("eval")
