@@ -18,7 +18,8 @@ plans also the units they rotate and the online transforms' estimated cost per t
 relative to all decoder linears (a dense block product: ``in * B`` multiply-adds per
 rotated linear's input, shared by a fused group, against ``in * out`` for the linears).
 
-    .venv/bin/python bench/rotation.py [--parts uniform,menu] [--budgets 5.0] [--verify]
+    .venv/bin/python bench/rotation.py [--parts uniform,menu] [--menus MX+H] [--budgets 5.0]
+        [--verify]
 
 Results: bench/results/rotation.json and rotation.md (``--markdown`` rewrites the tables
 from the results so far). Run it alone (the oneshots compete for the cores).
@@ -47,6 +48,12 @@ MX_BUDGET = 4.95
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def _folder(work: Path) -> str:
+    """A row's checkpoint folder, relative to the results (no machine path recorded)."""
+    return str(work.resolve().relative_to(RESULTS)) if work.resolve().is_relative_to(
+        RESULTS) else work.name
 
 
 def _load() -> dict:
@@ -87,7 +94,7 @@ def uniform_row(scheme: str, gptq: bool, work: Path) -> dict:
             "units": len(plan.choices), "units_left_bf16": sum(
                 1 for c in plan.choices if c.scheme == "BF16"),
             "effective_bits": e["effective_bits"], "transform_bytes": bits["transform_bytes"],
-            **{k: e[k] for k in ("kl", "kl_se", "ppl", "top1")}, "folder": str(work)}
+            **{k: e[k] for k in ("kl", "kl_se", "ppl", "top1")}, "folder": _folder(work)}
 
 
 def menu_row(menu_name: str, budget: float, gptq: bool, work: Path) -> dict:
@@ -115,7 +122,7 @@ def menu_row(menu_name: str, budget: float, gptq: bool, work: Path) -> dict:
             "transform_macs_over_linear": macs / linear,
             "predicted_kl": r["plan"]["predicted_kl"],
             **{k: e[k] for k in ("effective_bits", "kl", "kl_se", "ppl", "top1")},
-            "folder": str(work)}
+            "folder": _folder(work)}
 
 
 def transform_cost(scheme: str) -> dict:
@@ -165,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="uniform,menu")
     ap.add_argument("--budgets", default="5.0", help="W4A4 menu budgets (MX: 4.95)")
+    ap.add_argument("--menus", default=",".join(MENUS), help="the menu part's menus, of "
+                    f"{', '.join(MENUS)}")
     ap.add_argument("--work", type=Path, default=RESULTS / ".rotation")
     ap.add_argument("--verify", action="store_true", help="verify-vllm the rotated rows")
     ap.add_argument("--cost", metavar="SCHEME", help="only record the online transforms' "
@@ -172,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", action="store_true", help="only write rotation.md from the "
                     "results so far")
     args = ap.parse_args(argv)
-    parts = args.parts.split(",")
+    parts, menus = args.parts.split(","), args.menus.split(",")
+    if set(menus) - set(MENUS):
+        ap.error(f"--menus: unknown {sorted(set(menus) - set(MENUS))}; choose of {list(MENUS)}")
     result = _load()
     if args.cost:
         result.setdefault("transform_cost", {})[args.cost] = transform_cost(args.cost)
@@ -192,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if "menu" in parts:  # the menus with rotations first, then the plain ones
         budgets = [float(x) for x in args.budgets.split(",")]
         for g in (True, False):
-            for m in ("W4A4+H", "MX+H", "W4A4", "MX"):
+            for m in [m for m in ("W4A4+H", "MX+H", "W4A4", "MX") if m in menus]:
                 for b in budgets if m.startswith("W4A4") else [MX_BUDGET]:
                     jobs.append((f"{m} @ {b}{' + GPTQ' if g else ''}", menu_row, (m, b, g)))
     if "uniform" in parts:
@@ -212,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         import subprocess
 
         exe = str(Path(sys.executable).parent / "fp4sense")
-        rotated = [r["folder"] for r in result["rows"].values()
+        rotated = [str(RESULTS / r["folder"]) for r in result["rows"].values()
                    if "_H" in r.get("scheme", "") or r.get("rotated_units")]
         proc = subprocess.run([exe, "verify-vllm", "--json", *rotated], capture_output=True,
                               text=True)
