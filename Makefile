@@ -66,16 +66,16 @@ lint: env
 	$(VENV)/bin/ruff check src plugins tests bench examples scripts
 
 bench-analysis: setup
-	$(VENV)/bin/python bench/analysis.py
+	$(VENV)/bin/python -m bench analysis
 
 bench-plans: setup
-	$(VENV)/bin/python bench/plans.py --menus NVFP4
-	$(VENV)/bin/python bench/plans.py --menus NVFP4A16 --schemes FP8_DYNAMIC,NVFP4,NVFP4A16 \
+	$(VENV)/bin/python -m bench plans --menus NVFP4
+	$(VENV)/bin/python -m bench plans --menus NVFP4A16 --schemes FP8_DYNAMIC,NVFP4,NVFP4A16 \
 	  --budgets 4.75,5.5 --no-heuristic-budgets --no-checkpoint --refine-at "" \
 	  --out bench/results/plans_nvfp4a16.json
 
 bench-schemes: setup
-	$(VENV)/bin/python bench/scale_search.py --out bench/results/scale_search.json
+	$(VENV)/bin/python -m bench scale_search --out bench/results/scale_search.json
 
 clean-envs:
 	rm -rf $(VENV) $(VENV_VLLM)

@@ -14,7 +14,7 @@ the report with its plots in bench/results/analysis/. Resumable: finished entrie
 cached in bench/results/.analysis-cache (``--fresh`` starts over); a phase that reused
 cached entries has its time marked as not measured.
 
-    .venv/bin/python bench/analysis.py
+    .venv/bin/python -m bench analysis
 
 Caveat: SmolLM2's released weights were Q4_1-quantized before we got them.
 """
@@ -24,18 +24,16 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import shutil
-import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench.harness import RESULTS, command, peak_rss_gib
+
 GRID_BLOCKS = [0, 1, 2, 11, 15, 27, 28, 29]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schemes", default="NVFP4,MXFP4")
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=512)
@@ -44,8 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-dir", type=Path, default=RESULTS / "analysis")
     parser.add_argument("--cache", type=Path, default=RESULTS / ".analysis-cache")
     parser.add_argument("--fresh", action="store_true", help="drop the bench cache first")
-    args = parser.parse_args(argv)
 
+
+def run(args: argparse.Namespace) -> int:
     import torch
 
     from fp4sense.api import BUNDLED_MODEL_NOTE, analysis_windows, load_model
@@ -91,11 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     write_analysis(merged, args.report_dir, notes=[BUNDLED_MODEL_NOTE])
 
     result = {
-        "command": "python bench/analysis.py " + " ".join(argv or sys.argv[1:]),
+        "command": command("analysis", args.argv),
         "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform()},
         "windows": args.windows, "window_tokens": args.tokens, "schemes": schemes,
         "base_ppl": merged.base_ppl,
-        "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+        "peak_rss_gib": round(peak_rss_gib(), 3),
         "phases": phases,
         "correlations": merged.correlations,
         "findings": findings(merged),
@@ -106,6 +105,3 @@ def main(argv: list[str] | None = None) -> int:
                      indent=2))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

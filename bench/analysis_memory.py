@@ -6,21 +6,24 @@ every unit for NVFP4 and MXFP4 (component view), the fully quantized model's blo
 outputs that protect runs replay (whole-model entry), and the estimated pass. Prints the
 process's peak resident set size.
 
-    .venv/bin/python bench/analysis_memory.py
+    .venv/bin/python -m bench analysis_memory
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
-import sys
 import time
-from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench.harness import RESULTS, command
 
 
-def main() -> int:
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """No options."""
+
+
+def run(args: argparse.Namespace) -> int:
     from fp4sense.api import analysis_windows, load_model
     from fp4sense.diagnosis import analyze
     from fp4sense.diagnosis.cache import EntryCache
@@ -40,12 +43,9 @@ def main() -> int:
         (_, members), = REPORT_VIEWS["model"].targets(units, None)
         run.quantized_outputs(scheme, {m: (u, scheme) for u, mods in members for m in mods})
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    out = {"command": "python bench/analysis_memory.py", "peak_rss_gib": round(peak, 3),
+    out = {"command": command("analysis_memory", args.argv), "peak_rss_gib": round(peak, 3),
            "windows": 8, "window_tokens": 512, "seconds": round(time.perf_counter() - t)}
     (RESULTS / "analysis_memory.json").write_text(json.dumps(out, indent=1))
     print(json.dumps(out))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,21 +6,21 @@ bfloat16 the former are several times slower, which sets what a written-checkpoi
 of the benchmarks costs here. One SmolLM2-sized linear (576 -> 1536, 2048 tokens), the
 median of 20 timings per dtype, on all the threads torch uses.
 
-    .venv/bin/python bench/bf16_speed.py
+    .venv/bin/python -m bench bf16_speed
 
 Results: bench/results/bf16_speed.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench.harness import RESULTS, command
 
 
 def seconds(dtype: torch.dtype, repeat: int) -> float:
@@ -36,15 +36,17 @@ def seconds(dtype: torch.dtype, repeat: int) -> float:
     return statistics.median(times)
 
 
-def main(repeat: int = 20) -> int:
-    f32, bf16 = seconds(torch.float32, repeat), seconds(torch.bfloat16, repeat)
-    result = {"command": "python bench/bf16_speed.py", "torch": torch.__version__,
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repeat", type=int, default=20, help="timings per dtype")
+
+
+def run(args: argparse.Namespace) -> int:
+    f32 = seconds(torch.float32, args.repeat)
+    bf16 = seconds(torch.bfloat16, args.repeat)
+    result = {"command": command("bf16_speed", args.argv), "torch": torch.__version__,
               "threads": torch.get_num_threads(), "shape": [2048, 576, 1536],
               "float32_s": f32, "bfloat16_s": bf16, "bf16_over_f32": bf16 / f32}
     (RESULTS / "bf16_speed.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -15,7 +15,7 @@ The ``float32`` and ``bfloat16`` checkpoints are evaluated from disk per protoco
 result names whether this CPU has native bfloat16 (AVX512-BF16 / AMX): the time ratio
 depends on it.
 
-    .venv/bin/python bench/calibration_dtype.py [--verify]
+    .venv/bin/python -m bench calibration_dtype [--verify]
 
 Results: bench/results/calibration_dtype.json. Run it alone: the two oneshots compete
 for the cores with anything else.
@@ -32,16 +32,9 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench.harness import REPO, RESULTS, child, command, peak_rss_gib, verify_vllm
+
 BUDGET = 5.0
-
-
-def peak_rss_gib() -> float:
-    """This process's own high-water mark (VmHWM)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return round(int(line.split()[1]) / 2**20, 3)
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def one(dtype: str, out: Path, sensitivity: str | None) -> dict:
@@ -53,17 +46,18 @@ def one(dtype: str, out: Path, sensitivity: str | None) -> dict:
                             sensitivity=sensitivity, evaluate=False, overwrite=True,
                             progress=False, log=lambda m: print(m, file=sys.stderr))
     return {"dtype": dtype, "wall_s": round(time.perf_counter() - t, 1),
-            "timings": result["timings"], "peak_rss_gib": peak_rss_gib(),
+            "timings": result["timings"], "peak_rss_gib": round(peak_rss_gib(), 3),
             "schemes": result["plan"]["schemes"], "folder": out.name}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--work", type=Path, default=RESULTS / ".calibration-dtype")
     ap.add_argument("--verify", action="store_true", help="verify-vllm both checkpoints")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a child: one dtype
     ap.add_argument("--sensitivity", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.one:
         print(json.dumps(one(args.one, args.work / args.one, args.sensitivity)))
         return 0
@@ -73,10 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     for label, dtype, given in (("float32", "float32", None),
                                 ("float32-given", "float32", report),
                                 ("bfloat16", "bfloat16", report)):
-        cmd = [sys.executable, __file__, "--one", dtype, "--work", str(args.work / label)]
+        cmd = child("calibration_dtype", "--one", dtype, "--work", str(args.work / label))
         if given:
             cmd += ["--sensitivity", given]
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True, cwd=REPO)
         rows.append({"run": label, **json.loads(proc.stdout.strip().splitlines()[-1])})
         print(rows[-1], flush=True)
     folders = {r["run"]: args.work / r["run"] / r["dtype"] for r in rows}
@@ -94,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     plans = [json.loads((folders[r["run"]] / "plan.json").read_text())["choices"]
              for r in rows]
     f32, given, bf16 = rows
-    result = {"command": "python bench/calibration_dtype.py" + (" --verify" if args.verify
-                                                                else ""),
+    result = {"command": command("calibration_dtype", args.argv),
               "cpu_native_bf16": cpu_has_native_bf16(), "threads": torch.get_num_threads(),
               "budget_bits": BUDGET, "rows": rows,
               "same_plan": all(p == plans[0] for p in plans),
@@ -107,19 +100,12 @@ def main(argv: list[str] | None = None) -> int:
               "kl_difference_within_se": abs(bf16["kl"] - f32["kl"])
               <= max(f32["kl_se"], bf16["kl_se"])}
     if args.verify:
-        exe = str(Path(sys.executable).parent / "fp4sense")
-        proc = subprocess.run([exe, "verify-vllm", "--json",
-                               *[str(folders[r["run"]]) for r in judged]],
-                              capture_output=True, text=True)
-        found = json.loads(proc.stdout) if proc.stdout.strip() else []
-        result["verify_vllm"] = {r["run"]: "PASS" if v["passed"] else "FAIL"
-                                 for r, v in zip(judged, found, strict=False)
-                                 } or proc.stderr[-400:]
+        verdicts, tail = verify_vllm([folders[r["run"]] for r in judged])
+        result["verify_vllm"] = {r["run"]: "PASS" if verdicts[folders[r["run"]].name]["passed"]
+                                 else "FAIL" for r in judged
+                                 if folders[r["run"]].name in verdicts} or tail
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "calibration_dtype.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -32,33 +32,29 @@ The RTN estimate is `bench/stack.py`'s (its cache's sensitivity.json) when given
 scores the menu, else computed here. Resumable (``--cache``).
 Results: bench/results/gptq_scores_<menu>.{json,md}.
 
-    .venv/bin/python bench/gptq_scores.py [--menu weight-only] [--budgets 5.0]
+    .venv/bin/python -m bench gptq_scores [--menu weight-only] [--budgets 5.0]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import harness
+from bench.harness import RESULTS, Done, Session, command
 
-from done import Done  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
-MENUS = {"weight-only": ["NVFP4A16_SEARCH", "FP8_DYNAMIC", "BF16"],
-         "W4A4": ["NVFP4_SEARCH", "FP8_DYNAMIC", "BF16"],
-         "MX": ["MXFP4", "FP8_DYNAMIC", "BF16"]}
+#: the NVFP4 menus with searched scales (as quantize's default); MX without (its rows)
+MENUS = {"weight-only": harness.searched(harness.MENUS["weight-only"]),
+         "W4A4": harness.searched(harness.MENUS["W4A4"]),
+         "MX": harness.MENUS["MX"]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--menu", default="weight-only", choices=list(MENUS))
     parser.add_argument("--budgets", default="5.0")
     parser.add_argument("--report", type=Path, default=RESULTS / ".stack-cache" /
@@ -76,13 +72,13 @@ def main(argv: list[str] | None = None) -> int:
                              "--qad-steps) as a bf16 checkpoint with `fp4sense quantize`")
     parser.add_argument("--verify", action="store_true",
                         help="run `fp4sense verify-vllm` on the written checkpoints")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     out = args.out or RESULTS / f"gptq_scores_{args.menu.replace('-', '_')}.json"
 
-    from fp4sense.api import BUNDLED_MODEL_NOTE, analysis_windows, load_model
     from fp4sense.diagnosis import SensitivityReport, analyze
     from fp4sense.diagnosis.units import model_fingerprint
-    from fp4sense.inputs.texts import protocol_windows
     from fp4sense.planning.milp import solve
 
     menu = MENUS[args.menu]
@@ -90,21 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     args.cache = args.cache / args.menu  # a menu's reports and GPTQ runs are its own
     args.cache.mkdir(parents=True, exist_ok=True)
     done = Done(args.cache / "rows.jsonl")
-    model, tok, _ = load_model(None)
+    session = Session()
+    model, calib, evalw = session.model, session.calib, session.evalw
     fingerprint = model_fingerprint(model)
-    calib = analysis_windows(tok, None, 32, 512)
-    evalw = protocol_windows(tok, "evaluation", 16)
 
     rtn_path = args.report
     if not rtn_path.is_file() or not set(quantizing) <= set(
             SensitivityReport.load(rtn_path, fingerprint).schemes):
         rtn_path = args.cache / "sensitivity-rtn.json"
         if not rtn_path.is_file():
-            t = time.perf_counter()
-            analyze(model, calib[:8], schemes=quantizing, views=["grid"],
-                    modes=["estimated"], cache_dir=args.cache / "analysis",
-                    log=print).save(rtn_path)
-            done.keep({"key": "estimate-rtn", "wall_s": round(time.perf_counter() - t, 1)})
+            _, wall_s = session.estimate(quantizing, args.cache / "analysis", rtn_path)
+            done.keep({"key": "estimate-rtn", "wall_s": wall_s})
     rtn = SensitivityReport.load(rtn_path, fingerprint)
 
     # 1. uniform GPTQ, one run per scheme; its quantized weights saved
@@ -190,14 +182,14 @@ def main(argv: list[str] | None = None) -> int:
             written.append(folder)
     verified = {}
     if args.verify and written:
-        from stack import verify
+        from bench.stack import verify
 
         verified = verify(written, done)
-    result = {"command": "python bench/gptq_scores.py " + shlex.join(argv or sys.argv[1:]),
+    result = {"command": command("gptq_scores", args.argv),
               "menu": menu, "rtn_report": rtn_path.name, "repair": repair,
               "timings": {k: v["wall_s"] for k, v in done.items() if "|" not in k
                           or k.startswith("uniform|")},
-              "rows": rows, "verify_vllm": verified, "caveat": BUNDLED_MODEL_NOTE}
+              "rows": rows, "verify_vllm": verified, "caveat": session.caveat}
     out.write_text(json.dumps(result, indent=1))
     write_markdown(result, out.with_suffix(".md"))
     print(out.with_suffix(".md").read_text())
@@ -233,7 +225,7 @@ def checkpoint_row(key: str, folder: Path, calib: torch.Tensor, report: Path,
     """bench/stack.py's checkpoint row (`fp4sense quantize`, written and evaluated from
     disk, 16 windows) of the plan from ``report`` (the after-GPTQ scores), with GPTQ and,
     with ``qad_steps``, block QAD (28 windows trained, 4 held out)."""
-    from stack import checkpoint
+    from bench.stack import checkpoint
 
     settings = argparse.Namespace(steps=qad_steps, lr=qad_lr, lr_4bit=1.0, qad_windows=28,
                                   qad_holdout=4, qad_mode="block")
@@ -271,6 +263,3 @@ def write_markdown(result: dict, path: Path) -> None:
                                                   result["verify_vllm"].items())]
     path.write_text("\n".join(lines) + "\n")
 
-
-if __name__ == "__main__":
-    sys.exit(main())

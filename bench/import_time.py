@@ -2,7 +2,7 @@
 made (the stage modules its functions live in: diagnosis, the quantize pipeline, eval,
 the model inputs), in one run, each in a fresh interpreter, median of ``--repeats``.
 
-    .venv/bin/python bench/import_time.py
+    .venv/bin/python -m bench import_time
 
 Results: bench/results/import_time.json. Run it alone: import time is disk and CPU bound.
 """
@@ -14,9 +14,9 @@ import json
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench.harness import RESULTS, command
+
 CASES = {
     "lazy: import fp4sense.api": "import fp4sense.api",
     "eager (0.5's api): its stage modules": (
@@ -35,22 +35,20 @@ def seconds(statement: str) -> float:
     return float(done.stdout.strip().splitlines()[-1])
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     seconds("import fp4sense.api, fp4sense.quantization.pipeline")  # warm the file cache
     rows = {name: round(statistics.median(seconds(code) for _ in range(args.repeats)), 3)
             for name, code in CASES.items()}
     lazy, eager = rows["lazy: import fp4sense.api"], rows[
         "eager (0.5's api): its stage modules"]
-    result = {"command": "python bench/import_time.py", "repeats": args.repeats,
+    result = {"command": command("import_time", args.argv), "repeats": args.repeats,
               "median_s": rows, "eager_over_lazy": round(eager / lazy, 1)}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "import_time.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

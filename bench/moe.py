@@ -16,7 +16,7 @@ on the calibration windows; KL / PPL / top-1 on the first 16 evaluation windows)
 - routing coverage of the calibration text (tokens per expert, experts under 10% of an
   even share).
 
-    .venv/bin/python bench/moe.py [--work DIR]
+    .venv/bin/python -m bench moe [--work DIR]
 
 Results: bench/results/moe.{json,md}. Caveat: SmolLM2's released weights were Q4_1-
 quantized before we got them; the MoE is derived from them, not trained as a MoE.
@@ -32,17 +32,16 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench.harness import MENUS, REPO, RESULTS, Judge, child, command, peak_rss_gib, verify_vllm
+from bench.smollm2_moe import build, check_dense
+
 BUDGETS = [4.75, 5.0, 5.5]
-MENU = ["NVFP4", "FP8_DYNAMIC", "BF16"]
+MENU = MENUS["W4A4"]
 VARIANTS = {"all 8 experts active (= dense SmolLM2)": 8, "top-6 of 8 experts": 6}
 
 
 def analysis_child(folder: str, windows: int, out: str) -> None:
     """One estimated analysis (grid and per-expert views), timed, in this process."""
-    from scaling import peak_rss_gib
-
     from fp4sense.api import analyze_model
 
     t = time.perf_counter()
@@ -57,34 +56,26 @@ def evaluate_variant(folder: Path, report_path: Path, eval_windows: int) -> dict
     """Uniform NVFP4 and the plans, in memory, on the protocol's evaluation windows."""
     from fp4sense.api import load_model
     from fp4sense.diagnosis import SensitivityReport
-    from fp4sense.diagnosis.cache import EntryCache
-    from fp4sense.diagnosis.engine import Analysis
     from fp4sense.inputs.texts import protocol_windows
-    from fp4sense.planning.milp import solve, unit_bits
+    from fp4sense.planning.milp import solve
 
     report = SensitivityReport.load(report_path)
     model, tok, _ = load_model(folder)
     evalw = protocol_windows(tok, "evaluation", eval_windows)
     units = report.units
-    run = Analysis(model, evalw, units, EntryCache(None), progress=False)
-    run.base_pass()
-    run.stats = report.activation_stats  # NVFP4 input scales from the calibration text
+    # NVFP4 input scales from the calibration text
+    run = Judge(model, units, evalw, stats=report.activation_stats)
     by_name = units.by_name()
     total = sum(u.numel for u in units.units)
 
     def evaluate(plan) -> dict:
         assign = {c.unit: c.scheme for c in plan.choices}
-        pert = {m: (by_name[u], s) for u, s in assign.items() if s != "BF16"
-                for m in by_name[u].modules}
-        t = time.perf_counter()
-        r = run.measure(pert)
-        bits = sum(unit_bits(by_name[u], s) * by_name[u].numel for u, s in assign.items())
-        return {"bits": round(bits / total, 4), "active_bits": round(plan.active_bits, 4),
-                "kl": r["kl"], "kl_se": r["kl_se"],
-                "ppl": run.base_ppl() + r["dppl"], "top1": r["top1"],
+        r = run.row("", assign)
+        return {"bits": round(r["bits"], 4), "active_bits": round(plan.active_bits, 4),
+                **{k: r[k] for k in ("kl", "kl_se", "ppl", "top1")},
                 "expert_schemes": sorted({s for u, s in assign.items()
                                           if by_name[u].experts}),
-                "eval_s": round(time.perf_counter() - t, 1)}
+                "eval_s": r["wall_s"]}
 
     uniform = solve(report, budget_bits=16.0, menu=["NVFP4"], mode="estimated")
     rows = [{"method": "uniform NVFP4", "budget": None, **evaluate(uniform)}]
@@ -111,9 +102,8 @@ def checkpoint_check(folder: Path, work: Path, scheme: str = "NVFP4",
                    capture_output=True, text=True)
     quantize_s = round(time.perf_counter() - t, 1)
     evaluation = json.loads((out / "fp4sense-quantize.json").read_text())
-    done = subprocess.run([fp4sense, "verify-vllm", str(out), "--json"],
-                          capture_output=True, text=True)
-    served = json.loads(done.stdout) if done.stdout.strip() else {"error": done.stderr[-500:]}
+    verdicts, tail = verify_vllm([out])
+    served = verdicts.get(out.name, {"error": tail})
     plan = json.loads((out / "plan.json").read_text())
     return {"quantize_s": quantize_s, "evaluation": evaluation.get("eval"),
             "experts_in": sorted({c["scheme"] for c in plan["choices"]
@@ -122,18 +112,17 @@ def checkpoint_check(folder: Path, work: Path, scheme: str = "NVFP4",
                 "passed", "mean_abs_diff", "max_abs_diff", "tokens", "error")}}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--work", type=Path, default=None, help="where the models go")
     ap.add_argument("--windows", type=int, default=8, help="analysis windows")
     ap.add_argument("--eval-windows", type=int, default=16)
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.child:
         analysis_child(args.child[0], int(args.child[1]), args.child[2])
         return 0
-    from smollm2_moe import build, check_dense
-
     from fp4sense.api import BUNDLED_MODEL_NOTE
     from fp4sense.inputs.assets import ensure_model
     from fp4sense.inputs.texts import protocol_windows
@@ -143,16 +132,16 @@ def main(argv: list[str] | None = None) -> int:
 
     tok = AutoTokenizer.from_pretrained(ensure_model(log=lambda m: None))
     probe = protocol_windows(tok, "evaluation", 1)
-    result = {"protocol": {"analysis_windows": args.windows,
+    result = {"command": command("moe", args.argv), "protocol": {"analysis_windows": args.windows,
                            "eval_windows": args.eval_windows, "menu": MENU},
               "note": BUNDLED_MODEL_NOTE, "variants": {}}
     for name, k in VARIANTS.items():
         folder = build(work / f"smollm2-moe-top{k}", k)
         dense = check_dense(folder, probe[:1])
         out = work / f"analysis-top{k}"
-        done = subprocess.run([sys.executable, __file__, "--child", str(folder),
-                               str(args.windows), str(out)],
-                              capture_output=True, text=True, check=True)
+        done = subprocess.run(child("moe", "--child", str(folder), str(args.windows),
+                                    str(out)), capture_output=True, text=True, check=True,
+                              cwd=REPO)
         cost = json.loads(done.stdout.strip().splitlines()[-1])
         print(name, dense, cost, flush=True)
         result["variants"][name] = {"top_k": k, "vs_dense": dense, "analysis": cost,
@@ -213,6 +202,3 @@ def write_markdown(result: dict, path: Path) -> None:
                      if named else "") + ".", ""]
     path.write_text("\n".join(lines) + "\n")
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,7 +11,7 @@ decision to get wrong; in the top-6 variant the router's logits are 1e-3 apart b
 construction, so two engines' rounding can pick different experts for a token, and a
 log-prob comparison there measures that as much as the kernels.
 
-    .venv/bin/python bench/moe_serve.py [--work DIR]
+    .venv/bin/python -m bench moe_serve [--work DIR]
 
 Results: bench/results/moe_serve_top{K}.json.
 """
@@ -20,28 +20,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.harness import RESULTS, command
+from bench.moe import checkpoint_check
+from bench.smollm2_moe import build
 
 
-def main(argv: list[str] | None = None) -> int:
-    from moe import RESULTS, checkpoint_check
-    from smollm2_moe import build
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--plans", nargs="*", default=[], help="budgets of plans to serve")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="fp4sense-moe-"))
     folder = work / f"smollm2-moe-top{args.top_k}"
     if not (folder / "model.safetensors").is_file():
         build(folder, args.top_k)
     path = RESULTS / f"moe_serve_top{args.top_k}.json"
     result = json.loads(path.read_text()) if args.plans and path.is_file() else {}
+    result["command"] = command("moe_serve", args.argv)
     result["model"] = f"SmolLM2-MoE, top-{args.top_k} of 8 experts"
     rows = ([(f"plan {b}", "NVFP4,FP8_DYNAMIC,BF16", b) for b in args.plans] if args.plans
             else [(s, s, "4.6") for s in ("NVFP4A16", "NVFP4")])
@@ -53,6 +53,3 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=1))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

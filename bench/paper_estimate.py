@@ -8,16 +8,15 @@ wall time, against this machine's measured float32 matmul peak, give the fractio
 the analysis reaches (hooks, fake quantization, Python); the GPU estimate assumes the same
 fraction of the GPU's bf16 peak.
 
-    .venv/bin/python bench/scaling.py && .venv/bin/python bench/paper_estimate.py
+    .venv/bin/python -m bench scaling && .venv/bin/python -m bench paper_estimate
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
-from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench.harness import RESULTS, command
 
 MODELS = {  # public configs: layers, hidden, intermediate, kv heads x head_dim, vocab
     "Llama-3.1-8B": dict(layers=32, hidden=4096, inter=14336, kv=8 * 128, vocab=128256),
@@ -101,15 +100,17 @@ def estimate(name: str, m: dict, gpus: int, fraction: dict) -> dict:
     }
 
 
-def main() -> int:
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """No options."""
+
+
+def run(args: argparse.Namespace) -> int:
     fraction = calibration()
     rows = [estimate(n, m, g, fraction) for n, m in MODELS.items() for g in (1, 8)]
-    out = {"assumptions": ASSUME, "calibration": fraction, "rows": rows}
+    out = {"command": command("paper_estimate", args.argv), "assumptions": ASSUME,
+           "calibration": fraction, "rows": rows}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "paper_estimate.json").write_text(json.dumps(out, indent=1))
     print(json.dumps(out, indent=1))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,7 +7,7 @@ plans by default) are measured on calibration windows the estimate did not use
 kept plan are both judged on the 16 evaluation windows (KL per protocol). The
 correction is worth keeping only where the kept plan's evaluation KL is lower.
 
-    .venv/bin/python bench/plan_select.py [--k 6] [--select-windows 4] [--menus W4A4,weight-only]
+    .venv/bin/python -m bench plan_select [--k 6] [--select-windows 4] [--menus W4A4,weight-only]
 
 Reuses `bench/stack.py`'s estimate (bench/results/.stack-cache/sensitivity.json) when it
 is there, else computes the same one. Resumable (bench/results/.plan-select-cache).
@@ -18,22 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.harness import MENUS, RESULTS, Done, Session, command
 
-from done import Done  # noqa: E402
-from stack import MENUS  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 BUDGETS = [4.75, 5.0, 5.5]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=6, help="plans measured per budget")
     parser.add_argument("--select-windows", type=int, default=4)
     parser.add_argument("--menus", default="W4A4,weight-only")
@@ -42,51 +35,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", type=Path,
                         default=RESULTS / ".stack-cache" / "sensitivity.json")
     parser.add_argument("--out", type=Path, default=RESULTS / "plan_select.json")
-    args = parser.parse_args(argv)
 
-    from fp4sense.api import BUNDLED_MODEL_NOTE, analysis_windows, load_model
-    from fp4sense.diagnosis import SensitivityReport, analyze
-    from fp4sense.diagnosis.cache import EntryCache
-    from fp4sense.diagnosis.engine import Analysis
+
+def run(args: argparse.Namespace) -> int:
+    from fp4sense.diagnosis import SensitivityReport
     from fp4sense.diagnosis.units import model_fingerprint
-    from fp4sense.inputs.texts import protocol_windows
     from fp4sense.numerics.schemes import with_search_twins
     from fp4sense.planning.select import assignment, best_plans
 
     args.cache.mkdir(parents=True, exist_ok=True)
     done = Done(args.cache / "measured.jsonl")
 
-    model, tok, _ = load_model(None)
-    calib = analysis_windows(tok, None, 32, 512)
-    evalw = protocol_windows(tok, "evaluation", 16)
+    session = Session()
+    calib = session.calib
     menus = {m: with_search_twins(MENUS[m]) for m in args.menus.split(",")}
     schemes = sorted({s for menu in menus.values() for s in menu if s != "BF16"})
     t = time.perf_counter()
     if args.report.is_file():
-        est = SensitivityReport.load(args.report, model_fingerprint(model))
+        est = SensitivityReport.load(args.report, model_fingerprint(session.model))
     else:
-        est = analyze(model, calib[:8], schemes=schemes, views=["grid"],
-                      modes=["estimated"], cache_dir=args.cache / "analysis", log=print)
+        est, _ = session.estimate(schemes, args.cache / "analysis")
     analysis_s = round(time.perf_counter() - t, 1)
     units = est.units
-    by_name = units.by_name()
 
-    calibrated = Analysis(model, calib, units, EntryCache(None), progress=False)
-    calibrated.base_pass()  # NVFP4 input scales and scale-search weights: calibration text
-    judges = {}
-    for name, windows in (("select", calib[8:8 + args.select_windows]), ("eval", evalw)):
-        judges[name] = Analysis(model, windows, units, EntryCache(None), progress=False)
-        judges[name].base_pass()
-        judges[name].stats = calibrated.stats
-        judges[name].importance = calibrated.importance
-    del calibrated
+    # input scales and scale-search weights from the calibration text, for both judges
+    judges = {"select": session.judge(units, calib[8:8 + args.select_windows]),
+              "eval": session.judge(units)}
 
     def measure(on: str, assign: dict[str, str]) -> float:
         key = on + "|" + json.dumps(sorted(assign.items()))
         if key not in done:
-            pert = {m: (by_name[u], s) for u, s in assign.items() if s != "BF16"
-                    for m in by_name[u].modules}
-            done.keep({"key": key, "kl": judges[on].measure(pert)["kl"]})
+            done.keep({"key": key, "kl": judges[on].kl(assign)})
         return done[key]["kl"]
 
     rows = []
@@ -104,10 +83,10 @@ def main(argv: list[str] | None = None) -> int:
             row["change"] = row["kept_eval_kl"] / row["predicted_best_eval_kl"] - 1
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "candidates"}), flush=True)
-    result = {"command": "python bench/plan_select.py " + shlex.join(argv or sys.argv[1:]),
+    result = {"command": command("plan_select", args.argv),
               "protocol": {"estimate_windows": 8, "select_windows": args.select_windows,
                            "eval_windows": 16, "window_tokens": 512, "k": args.k},
-              "analysis_s": analysis_s, "rows": rows, "caveat": BUNDLED_MODEL_NOTE}
+              "analysis_s": analysis_s, "rows": rows, "caveat": session.caveat}
     args.out.write_text(json.dumps(result, indent=1))
     write_markdown(result, args.out.with_suffix(".md"))
     return 0
@@ -128,6 +107,3 @@ def write_markdown(result: dict, path: Path) -> None:
     lines += ["", f"> {result['caveat']}", ""]
     path.write_text("\n".join(lines))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

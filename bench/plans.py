@@ -21,7 +21,7 @@ from disk, to show that the two agree; the same step times `fp4sense quantize`
 (estimated sensitivities) against a plain llm-compressor NVFP4 oneshot with the same
 calibration data.
 
-    .venv/bin/python bench/plans.py
+    .venv/bin/python -m bench plans
 
 Results: bench/results/plans.{json,md}, bench/results/plans_pareto.png. Resumable
 (``--fresh`` starts over). Caveat: SmolLM2's released weights were Q4_1-quantized
@@ -32,23 +32,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+from bench import harness
+from bench.harness import RESULTS, Done, Session, command, plain_oneshot
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from done import Done  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 BUDGETS = [4.75, 5.0, 5.5, 6.0]
-MENUS = {"NVFP4": ["NVFP4", "FP8_DYNAMIC", "BF16"],
-         "NVFP4A16": ["NVFP4A16", "FP8_DYNAMIC", "BF16"]}
+#: the menus by their FP4 scheme (the rows' names): W4A4's and weight-only's
+MENUS = {"NVFP4": harness.menu("NVFP4"), "NVFP4A16": harness.menu("NVFP4A16")}
 TARGET_REDUCTION = {4.75: 0.35, 5.0: 0.50, 5.5: 0.65}
 
 
@@ -68,8 +62,7 @@ def weight_mse(model, units, schemes):
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--windows", type=int, default=8, help="windows for the estimate")
     parser.add_argument("--measured-windows", type=int, default=2)
     parser.add_argument("--eval-windows", type=int, default=16)
@@ -89,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fresh", action="store_true")
     parser.add_argument("--report-only", action="store_true",
                         help="recompute targets and rewrite the Markdown from --out")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.report_only:
         result = json.loads(args.out.read_text())
         result["targets"] = targets(result["rows"])
@@ -98,21 +93,16 @@ def main(argv: list[str] | None = None) -> int:
         pareto(result["rows"], args.out.with_name(args.out.stem + "_pareto.png"))
         return 0
 
-    from fp4sense.api import BUNDLED_MODEL_NOTE, analysis_windows, load_model
     from fp4sense.diagnosis import analyze
-    from fp4sense.diagnosis.cache import EntryCache
-    from fp4sense.diagnosis.engine import Analysis
-    from fp4sense.inputs.texts import protocol_windows
-    from fp4sense.planning.milp import plan_cost, solve, unit_bits
+    from fp4sense.planning.milp import plan_cost, solve
 
     if args.fresh and args.cache.exists():
         shutil.rmtree(args.cache)
     args.cache.mkdir(parents=True, exist_ok=True)
     done = Done(args.cache / "evaluations.jsonl")
 
-    model, tok, _ = load_model(None)
-    calib = analysis_windows(tok, None, max(args.windows, args.measured_windows), 512)
-    evalw = protocol_windows(tok, "evaluation", args.eval_windows)
+    session = Session(max(args.windows, args.measured_windows), args.eval_windows)
+    model, tok, calib = session.model, session.tok, session.calib
     schemes = sorted(args.schemes.split(",") if args.schemes else
                      {s for m in args.menus.split(",") for s in MENUS[m] if s != "BF16"})
     timings = {}
@@ -128,24 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     units = est.units
     mse = weight_mse(model, units, schemes)
 
-    evaluator = Analysis(model, evalw, units, EntryCache(None), progress=False)
-    evaluator.base_pass()
-    evaluator.stats = est.activation_stats  # NVFP4 input scales from calibration text
-    by_name = units.by_name()
-
-    def evaluate(key: str, assign: dict[str, str]) -> dict:
-        if key in done:
-            return done[key]
-        pert = {m: (by_name[u], s) for u, s in assign.items() if s != "BF16"
-                for m in by_name[u].modules}
-        r = evaluator.measure(pert)
-        total = sum(u.numel for u in units.units)
-        bits = sum(unit_bits(by_name[u], s) * by_name[u].numel for u, s in assign.items())
-        item = {"key": key, "bits": bits / total, "kl": r["kl"], "kl_se": r["kl_se"],
-                "ppl": evaluator.base_ppl() + r["dppl"], "top1": r["top1"]}
-        done.keep(item)
-        print(f"{key}: bits {item['bits']:.3f} KL {item['kl']:.4f}", flush=True)
-        return item
+    # NVFP4 input scales from the estimate's calibration text
+    evaluator = session.judge(units, stats=est.activation_stats, done=done)
+    evaluate = evaluator.row
 
     refine_at = {float(b) for b in args.refine_at.split(",") if b}
     rows = []
@@ -201,12 +176,12 @@ def main(argv: list[str] | None = None) -> int:
         model, tok, calib[:args.windows], evaluate, est, args)
     summary = targets(rows)
     result = {
-        "command": "python bench/plans.py " + shlex.join(argv or sys.argv[1:]),
+        "command": command("plans", args.argv),
         "protocol": {"analysis_windows": args.windows,
                      "measured_windows": args.measured_windows,
                      "eval_windows": args.eval_windows, "window_tokens": 512},
         "base_ppl": evaluator.base_ppl(), "timings": timings, "rows": rows,
-        "targets": summary, "checkpoint": checkpoint, "caveat": BUNDLED_MODEL_NOTE,
+        "targets": summary, "checkpoint": checkpoint, "caveat": session.caveat,
     }
     args.out.write_text(json.dumps(result, indent=1))
     write_markdown(result, args.out.with_suffix(".md"))
@@ -218,28 +193,13 @@ def main(argv: list[str] | None = None) -> int:
 def checkpoint_check(model, tok, calib, evaluate, est, args) -> dict:
     """Write one plan as a real checkpoint, evaluate it from disk; time quantize against a
     plain llm-compressor NVFP4 oneshot on the same calibration data."""
-    from datasets import Dataset
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-    from transformers import AutoModelForCausalLM
-
     from fp4sense.api import evaluate_checkpoint, quantize_model
     from fp4sense.inputs.assets import ensure_model
     from fp4sense.planning.milp import Plan
 
     source = ensure_model(log=lambda m: None)
     with tempfile.TemporaryDirectory(prefix="fp4sense-bench-") as tmp:
-        t = time.perf_counter()
-        plain = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
-        data = Dataset.from_dict({"input_ids": calib.tolist(),
-                                  "attention_mask": torch.ones_like(calib).tolist()})
-        oneshot(model=plain, dataset=data, num_calibration_samples=len(calib),
-                max_seq_length=calib.shape[1], processor=tok,
-                recipe=QuantizationModifier(targets=["Linear"], scheme="NVFP4",
-                                            ignore=["lm_head"]))
-        plain.save_pretrained(Path(tmp) / "uniform", save_compressed=True)
-        plain_s = time.perf_counter() - t
-        del plain
+        plain_s = plain_oneshot(calib, tok)
         t = time.perf_counter()
         quantize_model(None, out_dir=Path(tmp) / "planned", budget_bits=4.75,
                        calib_windows=len(calib), estimate_windows=len(calib),
@@ -347,6 +307,3 @@ def pareto(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

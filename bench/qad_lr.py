@@ -10,7 +10,7 @@ before and after on its training windows and on held-out calibration windows, th
 of stored weight codes that differ from the untrained GPTQ checkpoint's, and the time; no
 evaluation text is read.
 
-    .venv/bin/python bench/qad_lr.py --lrs 5e-5,5e-4 [--lr-4bit 1,4] [--holdout 4]
+    .venv/bin/python -m bench qad_lr --lrs 5e-5,5e-4 [--lr-4bit 1,4] [--holdout 4]
         [--menu NVFP4A16,FP8_DYNAMIC,BF16]
 
 Results: bench/results/qad_lr.json.
@@ -26,11 +26,10 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench.harness import RESULTS, command
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lrs", default="5e-5,5e-4")
     parser.add_argument("--lr-4bit", default="1")
     parser.add_argument("--holdout", type=int, default=0)
@@ -41,8 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sensitivity", type=Path,
                         default=RESULTS / ".stack-cache" / "sensitivity.json")
     parser.add_argument("--out", type=Path, default=RESULTS / "qad_lr.json")
-    args = parser.parse_args(argv)
 
+
+def run(args: argparse.Namespace) -> int:
     from safetensors.torch import load_file
 
     from fp4sense.api import quantize_model
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     menu = args.menu.split(",")
     rows = []
     with tempfile.TemporaryDirectory(prefix="fp4sense-qad-lr-") as tmp:
-        def run(name: str, lr: float | None, factor: float = 1.0) -> tuple[Path, float]:
+        def one(name: str, lr: float | None, factor: float = 1.0) -> tuple[Path, float]:
             distill = (DistillSettings(steps=args.steps, lr=lr, lr_4bit=factor,
                                        windows=args.qad_windows, holdout=args.holdout)
                        if lr is not None else None)
@@ -61,13 +61,13 @@ def main(argv: list[str] | None = None) -> int:
                            evaluate=False, progress=False, log=lambda m: None)
             return Path(tmp) / name, time.perf_counter() - t
 
-        gptq, gptq_s = run("gptq", None)
+        gptq, gptq_s = one("gptq", None)
         base = load_file(gptq / "model.safetensors")
         codes = [k for k in base if k.endswith(("weight_packed", "proj.weight"))]
         pairs = [(float(lr), float(f)) for lr in args.lrs.split(",")
                  for f in args.lr_4bit.split(",")]
         for lr, factor in pairs:
-            folder, wall = run(f"lr{lr:g}x{factor:g}", lr, factor)
+            folder, wall = one(f"lr{lr:g}x{factor:g}", lr, factor)
             record = json.loads((folder / "distill.json").read_text())
             got = load_file(folder / "model.safetensors")
             moved = {kind: _changed([k for k in codes if k.endswith(kind)], base, got)
@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                    "wall_s": round(wall, 1)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    args.out.write_text(json.dumps({"params": {**vars(args), "out": None,
+    params = {k: v for k, v in vars(args).items() if k != "argv"}
+    args.out.write_text(json.dumps({"command": command("qad_lr", args.argv),
+                                    "params": {**params, "out": None,
                                                "sensitivity": args.sensitivity.name},
                                     "gptq_wall_s": round(gptq_s, 1), "rows": rows}, indent=1))
     return 0
@@ -93,6 +95,3 @@ def _changed(keys, a, b) -> float | None:
     n = sum(a[k].numel() for k in keys)
     return sum(int((a[k].view(torch.uint8) != b[k].view(torch.uint8)).sum()) for k in keys) / n
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

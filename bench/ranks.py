@@ -2,7 +2,7 @@
 tokens, NVFP4 and MXFP4, the grid) with 1 process and with ``torchrun`` 2 ranks (gloo),
 same run, no cache; wall time ratio and whether the reports agree entry for entry.
 
-    .venv/bin/python bench/ranks.py
+    .venv/bin/python -m bench ranks
 
 On 2 cores a second rank cannot add compute: 1 process already uses both cores through
 torch's threads; the 2-rank run gives each rank one thread (OMP_NUM_THREADS=1). What it
@@ -11,6 +11,7 @@ shows is the cost of splitting (each rank loads the model and runs the base pass
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -20,7 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench.harness import RESULTS, command
+
 FP4SENSE = str(Path(sys.executable).parent / "fp4sense")
 ARGS = ["analyze", "--mode", "estimated", "--views", "grid", "--schemes", "NVFP4,MXFP4",
         "--windows", "8", "--no-cache", "--no-plots", "--json"]
@@ -32,7 +34,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def run(ranks: int, out: Path) -> float:
+def timed(ranks: int, out: Path) -> float:
     env = dict(os.environ)
     if ranks == 1:
         cmd = [FP4SENSE, *ARGS, "--out", str(out)]
@@ -45,14 +47,19 @@ def run(ranks: int, out: Path) -> float:
     return time.perf_counter() - t
 
 
-def main() -> int:
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """No options."""
+
+
+def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="fp4sense-ranks-"))
-    one = run(1, work / "one")
-    two = run(2, work / "two")
+    one = timed(1, work / "one")
+    two = timed(2, work / "two")
     a = json.loads((work / "one" / "sensitivity.json").read_text())["entries"]
     b = json.loads((work / "two" / "sensitivity.json").read_text())["entries"]
     worst = max(abs(x["kl"] - y["kl"]) / abs(x["kl"]) for x, y in zip(a, b, strict=True))
-    result = {"cpus": os.cpu_count(), "one_rank_s": round(one, 1), "two_ranks_s": round(two, 1),
+    result = {"command": command("ranks", args.argv), "cpus": os.cpu_count(),
+              "one_rank_s": round(one, 1), "two_ranks_s": round(two, 1),
               "two_over_one": round(two / one, 2), "same_entries": a == b,
               # 2 threads vs 1 thread per rank: matmuls may sum in another order
               "max_relative_kl_difference": worst}
@@ -61,6 +68,3 @@ def main() -> int:
     print(json.dumps(result, indent=1))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

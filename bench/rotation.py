@@ -18,7 +18,7 @@ plans also the units they rotate and the online transforms' estimated cost per t
 relative to all decoder linears (a dense block product: ``in * B`` multiply-adds per
 rotated linear's input, shared by a fused group, against ``in * out`` for the linears).
 
-    .venv/bin/python bench/rotation.py [--parts uniform,menu] [--menus MX+H] [--budgets 5.0]
+    .venv/bin/python -m bench rotation [--parts uniform,menu] [--menus MX+H] [--budgets 5.0]
         [--verify]
 
 Results: bench/results/rotation.json and rotation.md (``--markdown`` rewrites the tables
@@ -29,31 +29,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench import harness
+from bench.harness import RESULTS, command, log, relative
+
 OUT = RESULTS / "rotation.json"
 # SmolLM2's widths (576, 1536) take 16-, 32- and 64-wide rotations, not 128 (576 = 64 x 9)
 UNIFORM = ["NVFP4", "NVFP4_H16", "NVFP4_H64", "MXFP4", "MXFP4_H32", "MXFP4_H64"]
-MENUS = {"W4A4": ["NVFP4", "FP8_DYNAMIC", "BF16"],
-         "W4A4+H": ["NVFP4", "NVFP4_H16", "NVFP4_H64", "FP8_DYNAMIC", "BF16"],
-         "MX": ["MXFP4", "FP8_DYNAMIC", "BF16"],
-         "MX+H": ["MXFP4", "MXFP4_H32", "MXFP4_H64", "FP8_DYNAMIC", "BF16"]}
+MENUS = {"W4A4": harness.MENUS["W4A4"], "W4A4+H": harness.ROTATED_MENUS["W4A4+H"],
+         "MX": harness.MENUS["MX"], "MX+H": harness.ROTATED_MENUS["MX+H"]}
 MX_BUDGET = 4.95
-
-
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def _folder(work: Path) -> str:
-    """A row's checkpoint folder, relative to the results (no machine path recorded)."""
-    return str(work.resolve().relative_to(RESULTS)) if work.resolve().is_relative_to(
-        RESULTS) else work.name
 
 
 def _load() -> dict:
@@ -88,13 +77,13 @@ def uniform_row(scheme: str, gptq: bool, work: Path) -> dict:
     quantizer()(str(source), calib, work, plan="plan.json", gptq=gptq)
     oneshot_s = time.perf_counter() - t
     tok.save_pretrained(work)
-    e = evaluate_checkpoint(work, base=source, n_windows=16, progress=False, log=_log)
+    e = evaluate_checkpoint(work, base=source, n_windows=16, progress=False, log=log)
     bits = effective_bits(work)
     return {"scheme": scheme, "gptq": gptq, "oneshot_s": round(oneshot_s, 1),
             "units": len(plan.choices), "units_left_bf16": sum(
                 1 for c in plan.choices if c.scheme == "BF16"),
             "effective_bits": e["effective_bits"], "transform_bytes": bits["transform_bytes"],
-            **{k: e[k] for k in ("kl", "kl_se", "ppl", "top1")}, "folder": _folder(work)}
+            **{k: e[k] for k in ("kl", "kl_se", "ppl", "top1")}, "folder": relative(work)}
 
 
 def menu_row(menu_name: str, budget: float, gptq: bool, work: Path) -> dict:
@@ -103,7 +92,7 @@ def menu_row(menu_name: str, budget: float, gptq: bool, work: Path) -> dict:
 
     t = time.perf_counter()
     r = quantize_model(None, out_dir=work, budget_bits=budget, menu=MENUS[menu_name],
-                       gptq=gptq, overwrite=True, progress=False, log=_log)
+                       gptq=gptq, overwrite=True, progress=False, log=log)
     plan = json.loads((work / "plan.json").read_text())
     units = {f"{u['block']}:{u['kind']}": u  # the unit's input width, from the report
              for u in json.loads((work / "sensitivity.json").read_text())["units"]["units"]}
@@ -122,7 +111,7 @@ def menu_row(menu_name: str, budget: float, gptq: bool, work: Path) -> dict:
             "transform_macs_over_linear": macs / linear,
             "predicted_kl": r["plan"]["predicted_kl"],
             **{k: e[k] for k in ("effective_bits", "kl", "kl_se", "ppl", "top1")},
-            "folder": _folder(work)}
+            "folder": relative(work)}
 
 
 def transform_cost(scheme: str) -> dict:
@@ -168,8 +157,7 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--parts", default="uniform,menu")
     ap.add_argument("--budgets", default="5.0", help="W4A4 menu budgets (MX: 4.95)")
     ap.add_argument("--menus", default=",".join(MENUS), help="the menu part's menus, of "
@@ -180,10 +168,13 @@ def main(argv: list[str] | None = None) -> int:
                     "cost of a uniform SCHEME plan of the bundled model")
     ap.add_argument("--markdown", action="store_true", help="only write rotation.md from the "
                     "results so far")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     parts, menus = args.parts.split(","), args.menus.split(",")
     if set(menus) - set(MENUS):
-        ap.error(f"--menus: unknown {sorted(set(menus) - set(MENUS))}; choose of {list(MENUS)}")
+        raise SystemExit(f"python -m bench rotation: --menus: unknown "
+                         f"{sorted(set(menus) - set(MENUS))}; choose of {list(MENUS)}")
     result = _load()
     if args.cost:
         result.setdefault("transform_cost", {})[args.cost] = transform_cost(args.cost)
@@ -194,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         (RESULTS / "rotation.md").write_text(markdown(result))
         print(markdown(result))
         return 0
-    result["command"] = "python bench/rotation.py " + " ".join(argv or sys.argv[1:])
+    result["command"] = command("rotation", args.argv)
     result["threads"] = torch.get_num_threads()
     jobs = []  # the rows the targets need first: a stopped run resumes where it ended
     if "uniform" in parts:
@@ -211,31 +202,22 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn, fn_args in jobs:
         if name in result["rows"]:
             continue
-        _log(f"== {name}")
+        log(f"== {name}")
         folder = args.work / name.replace(" ", "").replace("@", "-").replace("+", "_")
         t = time.perf_counter()
         row = fn(*fn_args, folder)
         row["row_s"] = round(time.perf_counter() - t, 1)
         result["rows"][name] = row
         _save(result)
-        _log(json.dumps({name: {k: row[k] for k in ("kl", "kl_se", "effective_bits")}}))
+        log(json.dumps({name: {k: row[k] for k in ("kl", "kl_se", "effective_bits")}}))
     if args.verify:
-        import subprocess
-
-        exe = str(Path(sys.executable).parent / "fp4sense")
-        rotated = [str(RESULTS / r["folder"]) for r in result["rows"].values()
+        rotated = [RESULTS / r["folder"] for r in result["rows"].values()
                    if "_H" in r.get("scheme", "") or r.get("rotated_units")]
-        proc = subprocess.run([exe, "verify-vllm", "--json", *rotated], capture_output=True,
-                              text=True)
-        found = json.loads(proc.stdout) if proc.stdout.strip() else []
-        result["verify_vllm"] = {Path(f).name: "PASS" if v["passed"] else "FAIL"
-                                 for f, v in zip(rotated, found, strict=False)} \
-            or proc.stderr[-400:]
+        verdicts, tail = harness.verify_vllm(rotated)
+        result["verify_vllm"] = {name: "PASS" if v["passed"] else "FAIL"
+                                 for name, v in verdicts.items()} or tail
     _save(result)
     (RESULTS / "rotation.md").write_text(markdown(result))
     print(markdown(result))
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

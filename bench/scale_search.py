@@ -5,7 +5,7 @@ tokens by default, evaluation on the first 16 evaluation windows), for NVFP4A16,
 and MXFP4, runs a real llm-compressor oneshot with each weight observer and reports
 KL(base || quant), perplexity and top-1 agreement against the unquantized model.
 
-    .venv/bin/python bench/scale_search.py --out bench/results/scale_search.json
+    .venv/bin/python -m bench scale_search --out bench/results/scale_search.json
 
 Observers compared: ``minmax`` (llm-compressor's default), ``memoryless_mse``,
 ``imatrix_mse`` and ``fp4sense_scale_search``
@@ -17,11 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
+
+from bench.harness import RESULTS, command
 
 DEFAULT_SCHEMES = ["NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4"]
 # nvfp4_expanded_mse is left out by default: its 200-step grid takes too long on CPU
@@ -56,9 +57,8 @@ def quantize(model_path: Path, scheme: str, observer: str, calib: torch.Tensor):
     return model
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results/scale_search.json"))
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=RESULTS / "scale_search.json")
     parser.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES))
     parser.add_argument("--observers", default=",".join(OBSERVERS))
     # protocol.md allows fewer calibration windows where a command says so: 8 keeps the
@@ -69,11 +69,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="rewrite the Markdown table from --out without running")
     parser.add_argument("--fresh", action="store_true",
                         help="ignore rows of an earlier run in --out (default: resume)")
-    args = parser.parse_args(argv)
 
+
+def run(args: argparse.Namespace) -> int:
     if args.report_only:
         old = json.loads(args.out.read_text())
-        write_results(args, argv, old["rows"], old["protocol"]["window_tokens"])
+        write_results(args, old["rows"], old["protocol"]["window_tokens"])
         print(args.out.with_suffix(".md").read_text())
         return 0
 
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
             del model
-            write_results(args, argv, rows, calib.shape[1])
+            write_results(args, rows, calib.shape[1])
     print(args.out.with_suffix(".md").read_text())
     return 0
 
@@ -132,10 +133,10 @@ def previous_rows(args, window_tokens: int) -> list[dict]:
     return old["rows"] if old.get("protocol") == _protocol(args, window_tokens) else []
 
 
-def write_results(args, argv, rows: list[dict], window_tokens: int) -> None:
+def write_results(args, rows: list[dict], window_tokens: int) -> None:
     """Write the JSON and Markdown results (after every row, so partial runs keep theirs)."""
     result = {
-        "command": "python bench/scale_search.py --out " + str(args.out),
+        "command": command("scale_search", args.argv),
         "protocol": _protocol(args, window_tokens),
         "complete": len(rows),
         "machine": {"threads": torch.get_num_threads(), "python": platform.python_version(),
@@ -156,6 +157,3 @@ def write_results(args, argv, rows: list[dict], window_tokens: int) -> None:
     lines.append(f"\nBase (unquantized) PPL: {rows[0]['base_ppl']:.3f}" if rows else "")
     md.write_text("\n".join(lines) + "\n")
 
-
-if __name__ == "__main__":
-    sys.exit(main())

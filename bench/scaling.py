@@ -3,7 +3,7 @@ size (bf16 files, built from configs), analyzed with ``low_memory`` (one decoder
 weights at a time, read from the model's files) in both modes; peak RSS and wall time per
 billion weights. Baseline in the same run: the largest model loaded whole.
 
-    .venv/bin/python bench/scaling.py [--sizes 0.1,0.4,1.5] [--windows 2] [--tokens 128]
+    .venv/bin/python -m bench scaling [--sizes 0.1,0.4,1.5] [--windows 2] [--tokens 128]
 
 Each analysis runs in a fresh process (its own peak RSS). Float32 compute, CPU, no cache.
 Results: bench/results/scaling.json and scaling.png.
@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench.harness import REPO, RESULTS, child, command, peak_rss_gib
+
 #: name -> (hidden, intermediate, layers, heads, kv heads); vocab 49152 (SmolLM2's)
 SHAPES = {"0.1": (576, 1536, 30, 9, 3), "0.4": (1024, 2816, 32, 16, 4),
           "1.5": (2048, 5632, 30, 32, 4)}
@@ -46,7 +45,7 @@ def build(size: str, folder: Path, tokenizer_from: Path) -> int:
     return numel
 
 
-def child(folder: str, mode: str, low_memory: bool, windows: int, tokens: int) -> dict:
+def analysis_child(folder: str, mode: str, low_memory: bool, windows: int, tokens: int) -> dict:
     import torch
 
     from fp4sense.diagnosis import analyze
@@ -58,30 +57,21 @@ def child(folder: str, mode: str, low_memory: bool, windows: int, tokens: int) -
     views = ["grid"] if mode == "estimated" else ["component"]
     analyze(model, ids, schemes=["NVFP4"], views=views, modes=[mode], grid_blocks=[],
             progress=False, log=lambda m: None)
-    return {"wall_s": round(time.perf_counter() - t, 1), "peak_rss_gib": peak_rss_gib()}
+    return {"wall_s": round(time.perf_counter() - t, 1), "peak_rss_gib": round(peak_rss_gib(), 3)}
 
 
-def peak_rss_gib() -> float:
-    """This process's own high-water mark (VmHWM). Not getrusage's ru_maxrss: Linux carries
-    that over from the parent through fork and exec, so a child would report the peak of
-    the parent that built the models."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return round(int(line.split()[1]) / 2**20, 3)
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sizes", default="0.1,0.4,1.5")
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "fp4sense-scaling")
     ap.add_argument("--child", nargs=3, metavar=("FOLDER", "MODE", "LOW_MEMORY"))
-    args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
     if args.child:
         folder, mode, low = args.child
-        print(json.dumps(child(folder, mode, low == "1", args.windows, args.tokens)))
+        print(json.dumps(analysis_child(folder, mode, low == "1", args.windows, args.tokens)))
         return 0
     from fp4sense.inputs.assets import ensure_model
 
@@ -89,10 +79,11 @@ def main() -> int:
     sizes = args.sizes.split(",")
     rows = []
 
-    def run(size, folder, mode, low, numel):
-        out = subprocess.run([sys.executable, __file__, "--windows", str(args.windows),
-                              "--tokens", str(args.tokens), "--child", str(folder), mode,
-                              "1" if low else "0"], capture_output=True, text=True, check=True)
+    def measure(size, folder, mode, low, numel):
+        out = subprocess.run(child("scaling", "--windows", str(args.windows), "--tokens",
+                                   str(args.tokens), "--child", str(folder), mode,
+                                   "1" if low else "0"),
+                             capture_output=True, text=True, check=True, cwd=REPO)
         r = json.loads(out.stdout.strip().splitlines()[-1])
         row = {"size": size, "params_b": round(numel / 1e9, 3), "mode": mode,
                "low_memory": low, **r, "s_per_b": round(r["wall_s"] / (numel / 1e9), 1)}
@@ -103,10 +94,11 @@ def main() -> int:
         folder = args.models / f"llama-{size}b"
         numel = build(size, folder, tokenizer_from)
         for mode in ("estimated", "measured"):
-            run(size, folder, mode, True, numel)
+            measure(size, folder, mode, True, numel)
     largest = args.models / f"llama-{sizes[-1]}b"
-    run(sizes[-1], largest, "estimated", False, build(sizes[-1], largest, tokenizer_from))
-    summary = {"windows": args.windows, "tokens": args.tokens, "rows": rows}
+    measure(sizes[-1], largest, "estimated", False, build(sizes[-1], largest, tokenizer_from))
+    summary = {"command": command("scaling", args.argv), "windows": args.windows,
+               "tokens": args.tokens, "rows": rows}
     for mode in ("estimated", "measured"):
         lean = [r for r in rows if r["mode"] == mode and r["low_memory"]]
         summary[f"{mode}: peak RSS largest / smallest"] = round(
@@ -149,6 +141,3 @@ def _plot(rows, path: Path) -> None:
     a2.legend(fontsize=8)
     save_figure(fig, path)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -22,7 +22,7 @@ scalings are powers of two, exact in bf16; :func:`check_dense` measures the diff
 With ``top_k = 4`` it is a real sparse MoE that drops half of each token's routed
 neurons: not the dense model, and its perplexity says how far.
 
-    .venv/bin/python bench/smollm2_moe.py OUT_DIR [--top-k 4]
+    .venv/bin/python -m bench smollm2_moe OUT_DIR [--top-k 4]
 """
 
 from __future__ import annotations
@@ -133,15 +133,13 @@ def check_dense(moe: Path, tokens: torch.Tensor) -> dict:
             "dense_ppl": out["dense"][1], "moe_ppl": out["moe"][1]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--top-k", type=int, default=4)
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     build(args.out, args.top_k)
     print(f"wrote {args.out} (top-{args.top_k} of {EXPERTS} experts)")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -19,7 +19,7 @@ The same run times a plain llm-compressor NVFP4 oneshot on the same calibration 
 baseline of the time target) and runs `fp4sense verify-vllm` on every written checkpoint
 (``--verify``).
 
-    .venv/bin/python bench/stack.py [--verify]
+    .venv/bin/python -m bench stack [--verify]
 
 Results: bench/results/stack.{json,md}. Resumable (``--fresh`` starts over).
 """
@@ -28,23 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import torch
+from bench.harness import MENUS, RESULTS, Done, Session, command, plain_oneshot, verify_vllm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from done import Done  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
-MENUS = {"W4A4": ["NVFP4", "FP8_DYNAMIC", "BF16"],
-         "weight-only": ["NVFP4A16", "FP8_DYNAMIC", "BF16"],
-         "MX": ["MXFP4", "FP8_DYNAMIC", "BF16"]}
 BUDGETS = [4.5, 4.75, 5.0, 5.5]
 #: menu -> (budget of the written checkpoints, KL target there)
 TARGETS = {"weight-only": (5.0, 0.047), "W4A4": (5.0, 0.10), "MX": (4.95, 0.38)}
@@ -52,8 +41,7 @@ UNIFORM_QAD_TARGET = 0.15  # W4A4, uniform NVFP4 at 4.5 bits with QAD
 TIME_TARGET = 6.0  # the whole stack within 6x a plain NVFP4 oneshot
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--menus", default=",".join(MENUS))
     parser.add_argument("--steps", type=int, default=64, help="QAD steps")
     parser.add_argument("--lr", type=float, default=5e-5, help="QAD learning rate")
@@ -81,15 +69,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the in-memory rows (an experiment on written rows only)")
     parser.add_argument("--cached-only", action="store_true",
                         help="publish (and verify) the rows finished before; write no new one")
-    args = parser.parse_args(argv)
 
-    from fp4sense.api import BUNDLED_MODEL_NOTE, analysis_windows, load_model
-    from fp4sense.diagnosis import analyze
-    from fp4sense.diagnosis.cache import EntryCache
-    from fp4sense.diagnosis.engine import Analysis
-    from fp4sense.inputs.texts import protocol_windows
+
+def run(args: argparse.Namespace) -> int:
     from fp4sense.numerics.schemes import with_search_twins
-    from fp4sense.planning.milp import solve, unit_bits
+    from fp4sense.planning.milp import solve
 
     if args.fresh and args.cache.exists():
         shutil.rmtree(args.cache)
@@ -103,40 +87,20 @@ def main(argv: list[str] | None = None) -> int:
         return item
 
     menus = {m: MENUS[m] for m in args.menus.split(",")}
-    model, tok, _ = load_model(None)
-    calib = analysis_windows(tok, None, 32, 512)
-    evalw = protocol_windows(tok, "evaluation", 16)
+    session = Session()
+    calib, tok, caveat = session.calib, session.tok, session.caveat
     schemes = sorted({s for menu in menus.values() for s in with_search_twins(menu)
                       if s != "BF16"})
     report_path = args.cache / "sensitivity.json"
-    t = time.perf_counter()
-    est = analyze(model, calib[:8], schemes=schemes, views=["grid"], modes=["estimated"],
-                  cache_dir=args.cache / "analysis", log=print)
-    est.save(report_path)
-    if "analysis" not in done and time.perf_counter() - t > 60:  # computed, not cached
-        keep({"key": "analysis", "wall_s": round(time.perf_counter() - t, 1)})
+    est, analysis_s = session.estimate(schemes, args.cache / "analysis", report_path)
+    if "analysis" not in done and analysis_s > 60:  # computed, not cached
+        keep({"key": "analysis", "wall_s": analysis_s})
     units = est.units
-    by_name = units.by_name()
-    total = sum(u.numel for u in units.units)
-
-    calibrated = Analysis(model, calib, units, EntryCache(None), progress=False)
-    calibrated.base_pass()  # NVFP4 input scales and scale-search weights: calibration text
-    evaluator = Analysis(model, evalw, units, EntryCache(None), progress=False)
-    evaluator.base_pass()
-    evaluator.stats, evaluator.importance = calibrated.stats, calibrated.importance
-    del calibrated
+    # input scales and scale-search weights from the calibration text
+    evaluator = session.judge(units, done=done)
 
     def in_memory(key: str, assign: dict[str, str]) -> dict:
-        if key in done:
-            return done[key]
-        t = time.perf_counter()
-        pert = {m: (by_name[u], s) for u, s in assign.items() if s != "BF16"
-                for m in by_name[u].modules}
-        r = evaluator.measure(pert)
-        bits = sum(unit_bits(by_name[u], s) * by_name[u].numel for u, s in assign.items())
-        return keep({"key": key, "bits": bits / total, "kl": r["kl"], "kl_se": r["kl_se"],
-                     "ppl": evaluator.base_ppl() + r["dppl"], "top1": r["top1"],
-                     "eval": "in memory", "wall_s": round(time.perf_counter() - t, 1)})
+        return evaluator.row(key, assign, eval="in memory")
 
     rows = []
     for name, menu in ({} if args.checkpoints_only else menus).items():
@@ -155,13 +119,13 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"menu": name, "method": method, "budget": b, **r,
                              "predicted": plan.predicted_kl})
     base_ppl = evaluator.base_ppl()  # of the evaluation windows
-    evaluator.block_out, evaluator.base_lp = [], []  # free the replay caches
+    evaluator.release()  # free the replay caches
 
     plain_s = done["plain-oneshot"]["wall_s"] if "plain-oneshot" in done else None
     if plain_s is None:
         plain_s = plain_oneshot(calib, tok)
         done.keep({"key": "plain-oneshot", "wall_s": plain_s})
-    del model
+    del session
     # written checkpoints, in priority order; results are rewritten after each one
     plans = [(name, m, b) for name, m in menus.items()
              if name in args.checkpoint_menus.split(",")
@@ -183,14 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     runs += [(n, f"plan + {qad}", dict(budget_bits=b, menu=m, qad=True))  # QAD, no GPTQ
              for n, m, b in plans if n == "W4A4"]
     only = set(args.only.split(",")) if args.only else None
-    result = {"command": "python bench/stack.py " + shlex.join(argv or sys.argv[1:]),
+    result = {"command": command("stack", args.argv),
               "protocol": {"estimate_windows": 8, "calib_windows": 32, "eval_windows": 16,
                            "window_tokens": 512, "qad_steps": args.steps, "qad_lr": args.lr,
                            "qad_lr_4bit": args.lr_4bit, "qad_mode": args.qad_mode,
                            "qad_windows": args.qad_windows, "qad_holdout": args.qad_holdout},
               "base_ppl": base_ppl, "analysis_s": done.get("analysis", {}).get("wall_s"),
               "analysis_schemes": schemes, "plain_nvfp4_oneshot_s": plain_s, "rows": rows,
-              "verify_vllm": {}, "caveat": BUNDLED_MODEL_NOTE}
+              "verify_vllm": {}, "caveat": caveat}
     written = []
     for name, method, kw in runs:
         key = f"{name}|{method}|{kw['budget_bits']}|checkpoint"
@@ -213,31 +177,6 @@ def publish(result: dict, out: Path) -> None:
     result["targets"] = targets(result)
     out.write_text(json.dumps(result, indent=1))
     write_markdown(result, out.with_suffix(".md"))
-
-
-def plain_oneshot(calib: torch.Tensor, tok) -> float:
-    """Wall time of a plain llm-compressor NVFP4 oneshot on the same calibration data."""
-    import tempfile
-
-    from datasets import Dataset
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-    from transformers import AutoModelForCausalLM
-
-    from fp4sense.inputs.assets import ensure_model
-
-    with tempfile.TemporaryDirectory(prefix="fp4sense-bench-") as tmp:
-        t = time.perf_counter()
-        plain = AutoModelForCausalLM.from_pretrained(ensure_model(log=lambda m: None),
-                                                     dtype=torch.bfloat16)
-        data = Dataset.from_dict({"input_ids": calib.tolist(),
-                                  "attention_mask": torch.ones_like(calib).tolist()})
-        oneshot(model=plain, dataset=data, num_calibration_samples=len(calib),
-                max_seq_length=calib.shape[1], processor=tok,
-                recipe=QuantizationModifier(targets=["Linear"], scheme="NVFP4",
-                                            ignore=["lm_head"]))
-        plain.save_pretrained(Path(tmp) / "uniform", save_compressed=True)
-        return round(time.perf_counter() - t, 1)
 
 
 def checkpoint(key, folder, calib, report_path, args, *, budget_bits, menu, gptq=False,
@@ -274,22 +213,12 @@ def checkpoint(key, folder, calib, report_path, args, *, budget_bits, menu, gptq
 
 
 def verify(folders, done) -> dict:
-    """`fp4sense verify-vllm` on the checkpoints not verified before, in one call (one vLLM
-    process, an engine per checkpoint)."""
+    """`fp4sense verify-vllm` on the checkpoints not verified before, in one call."""
     todo = [f for f in folders if f"verify|{f.name}" not in done]
-    if todo:
-        exe = str(Path(sys.executable).parent / "fp4sense")
-        proc = subprocess.run([exe, "verify-vllm", "--json", *map(str, todo)],
-                              capture_output=True, text=True)
-        try:
-            found = json.loads(proc.stdout)
-            passed = {Path(r["checkpoint"]).name: r["passed"]
-                      for r in (found if isinstance(found, list) else [found])}
-        except (ValueError, KeyError, TypeError):  # stopped before any result
-            passed = {}
-        for f in todo:
-            done.keep({"key": f"verify|{f.name}", "rc": 0 if passed.get(f.name) else
-                       proc.returncode or 1, "tail": (proc.stdout + proc.stderr)[-400:]})
+    verdicts, tail = verify_vllm(todo)
+    for f in todo:
+        passed = verdicts.get(f.name, {}).get("passed")
+        done.keep({"key": f"verify|{f.name}", "rc": 0 if passed else 1, "tail": tail})
     return {f.name: "PASS" if done[f"verify|{f.name}"]["rc"] == 0 else "FAIL"
             for f in folders}
 
@@ -370,6 +299,3 @@ def write_markdown(result: dict, path: Path) -> None:
         lines += [f"- {k}: {v}" for k, v in result["verify_vllm"].items()]
     path.write_text("\n".join(lines) + "\n")
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -8,19 +8,20 @@ a checkpoint, the wall time of writing it. An empty cell was not run. When one m
 and budget appear in several results, a checkpoint wins over an in-memory row, then the
 file named first.
 
-    .venv/bin/python bench/stack_table.py [RESULT.json ...]
+    .venv/bin/python -m bench stack_table [RESULT.json ...]
 
 Writes bench/results/stack_table.md; prints it.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
-import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench.harness import RESULTS
+
 DEFAULT = ["stack.json", "stack_block.json", "stack_block_w4a4.json",
            "gptq_scores_weight_only.json", "gptq_scores_W4A4.json"]
 ORDER = ["uniform RTN", "uniform + searched scales", "plan RTN", "plan + searched scales",
@@ -66,7 +67,7 @@ def cell(r: dict) -> str:
 
 def markdown(table: dict, paths: list[Path]) -> str:
     lines = ["# Every method at every budget (issue 15's table)", "",
-             "`python bench/stack_table.py` from " + ", ".join(f"`{p.name}`" for p in paths)
+             "`python -m bench stack_table` from " + ", ".join(f"`{p.name}`" for p in paths)
              + ". KL on 16 evaluation windows; `ckpt`: written by `fp4sense quantize`, read "
              "back from disk, bits measured from its files, wall time of writing it; `mem`: "
              "in memory (fp4sense's fake quantization, bit for bit the checkpoint's, bits from "
@@ -88,8 +89,13 @@ def markdown(table: dict, paths: list[Path]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    names = (argv if argv is not None else sys.argv[1:]) or DEFAULT
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("results", nargs="*", metavar="RESULT.json",
+                        help=f"results to merge (default: {', '.join(DEFAULT)})")
+
+
+def run(args: argparse.Namespace) -> int:
+    names = args.results or DEFAULT
     paths = [p if p.is_file() else RESULTS / p.name for p in map(Path, names)]
     paths = [p for p in paths if p.is_file()]
     text = markdown(merge(paths), paths)
@@ -97,6 +103,3 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -173,3 +173,41 @@ def test_best_plans_are_the_k_best_in_order_and_selection_keeps_the_lowest_measu
     assert [t["measured"] for t in trials] == values
     with pytest.raises(PlanError, match="at least 1"):
         best_plans(report, 0, budget_bits=budget, menu=MENU)
+
+
+def test_judge_takes_input_scales_from_the_calibration_windows(tiny_llama):
+    """The protocol's judge: KL on held-out windows, input scales and scale-search weights
+    from calibration windows; the same as building the two analyses by hand, and
+    measure_on (its KL alone, statistics from its own windows) unchanged."""
+    from transformers import AutoModelForCausalLM
+
+    from fp4sense.diagnosis.cache import EntryCache
+    from fp4sense.diagnosis.engine import Analysis
+    from fp4sense.planning.select import Judge, measure_on
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    calib = torch.randint(0, model.config.vocab_size, (3, 32), generator=gen)
+    held = torch.randint(0, model.config.vocab_size, (2, 32), generator=gen)
+    units = find_units(model)
+    assign = {u.name: "NVFP4_SEARCH" for u in units.units}
+    by_name = units.by_name()
+    pert = {m: (by_name[u], s) for u, s in assign.items() for m in by_name[u].modules}
+
+    cal = Analysis(model, calib, units, EntryCache(None), progress=False)
+    cal.base_pass()
+    alone = Analysis(model, held, units, EntryCache(None), progress=False)
+    own = alone.measure(pert)
+    hand = Analysis(model, held, units, EntryCache(None), progress=False)
+    hand.base_pass()
+    hand.stats, hand.importance = cal.stats, cal.importance
+    want = hand.measure(pert)
+    judge = Judge(model, units, held, calibration=calib)
+    got = judge.measure(assign)
+    assert got["kl"] == want["kl"] and got["kl_se"] == want["kl_se"]
+    assert got["top1"] == want["top1"]
+    assert got["ppl"] == hand.base_ppl() + want["dppl"]
+    assert got["kl"] != own["kl"]  # the calibration windows' scales are not the held-out's
+    again = Judge(model, units, held, **judge.calibrated)
+    assert again(assign) == got["kl"]
+    assert measure_on(model, units, held)(assign) == own["kl"]

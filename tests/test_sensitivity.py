@@ -125,6 +125,29 @@ def test_replayed_blocks_give_the_same_numbers_as_full_runs(tiny):
     assert fast["kl"] > 0
 
 
+def test_windows_beyond_the_stored_log_probs_measure_the_same(tiny, monkeypatch):
+    """Base log-probs are stored up to a memory budget (1 GiB: 10 SmolLM2 windows of 512
+    tokens, 4 of Llama-3's); the windows past it are recomputed from the replayed blocks
+    inside a measured run. That replay nests in the measured run's own: it used to
+    restore the class's forward on exit, and the measured run then failed."""
+    import fp4sense.diagnosis.engine as engine
+
+    units = find_units(tiny)
+    unit = units.by_name()["1:mlp.gate_proj+up_proj"]
+    pert = {m: (unit, "NVFP4") for m in unit.modules}
+    stored = Analysis(tiny, _random_windows(), units, EntryCache(None), progress=False)
+    want = stored.measure(pert)
+    one_window = 64 * tiny.config.vocab_size * 4  # float32 log-probs of 64 tokens
+    monkeypatch.setattr(engine, "BASE_LOGPROB_BYTES", one_window)
+    run = Analysis(tiny, _random_windows(), units, EntryCache(None), progress=False)
+    run.base_pass()
+    assert [lp is None for lp in run.base_lp] == [False, True, True]
+    got = run.measure(pert)
+    for key in ("kl", "kl_se", "dppl", "top1"):
+        assert got[key] == want[key], key
+    assert not any("forward" in vars(b) for b in tiny.model.layers)
+
+
 def test_protect_from_the_quantized_outputs_equals_a_full_run(tiny):
     units = find_units(tiny)
     run = Analysis(tiny, _random_windows(), units, EntryCache(None), progress=False)

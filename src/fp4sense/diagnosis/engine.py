@@ -229,7 +229,9 @@ class Analysis:
     @contextmanager
     def replayed(self, start: int, current: dict, source: list[list]):
         """Blocks before ``start`` return their cached output in ``source`` for window
-        ``current["i"]`` instead of computing it."""
+        ``current["i"]`` instead of computing it. Re-entrant: a replay inside another (the
+        base log-probs of a window not stored, inside a measured run) gives the blocks back
+        their outer replay, not the class's forward."""
         patched = []
         for index in range(start):
             block = self.blocks[index]
@@ -237,13 +239,16 @@ class Analysis:
             def lookup(*args, _index=index, **kwargs):
                 return source[_index][current["i"]]
 
+            patched.append((block, block.__dict__.get("forward")))
             block.forward = lookup
-            patched.append(block)
         try:
             yield
         finally:
-            for block in patched:
-                del block.forward  # back to the class's forward
+            for block, before in reversed(patched):
+                if before is None:
+                    del block.forward  # back to the class's forward
+                else:
+                    block.forward = before
 
     @torch.no_grad()
     def measure(self, perturbation: Perturbation, start: int | None = None,

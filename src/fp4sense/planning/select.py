@@ -98,27 +98,70 @@ def select_measured(report: SensitivityReport, measure: Callable[[dict[str, str]
     return plans[best], trials
 
 
+class Judge:
+    """Measures unit -> scheme assignments on ``windows``: fp4sense's bit-exact fake
+    quantization of every unit at once, against the base model's log-probs from one base
+    pass made here. That pass also gives the input scales and the scale-search weights,
+    unless ``calibration`` (other windows: the protocol's evaluation takes them from
+    calibration text and measures on held-out text) or ``stats`` / ``importance`` (a
+    report's activation statistics, or another judge's :attr:`calibrated`) give them.
+    ``rounded``: the quantized weights of the schemes it covers are its (GPTQ's), not
+    round-to-nearest; ``schemes``: those the assignments may hold (a rotated one's input
+    maxima are taken then). Calling it gives the KL alone."""
+
+    def __init__(self, model: torch.nn.Module, units: UnitMap, windows: torch.Tensor,
+                 rounded=None, schemes=(), calibration: torch.Tensor | None = None,
+                 stats: dict | None = None, importance: dict | None = None):
+        from fp4sense.diagnosis.cache import EntryCache
+        from fp4sense.diagnosis.engine import Analysis
+
+        def analysis(on: torch.Tensor) -> Analysis:
+            a = Analysis(model, on, units, EntryCache(None), progress=False, rounded=rounded)
+            a.rotations = rotations_of(schemes)
+            return a
+
+        if calibration is not None:
+            calibrated = analysis(calibration)
+            calibrated.base_pass()
+            calibrated.release_replay()  # its statistics are what is kept
+        self.analysis = analysis(windows)
+        self.analysis.base_pass()
+        if calibration is not None:
+            self.analysis.stats = calibrated.stats
+            self.analysis.importance = calibrated.importance
+        if stats is not None:
+            self.analysis.stats = stats
+        if importance is not None:
+            self.analysis.importance = importance
+        self.by_name = units.by_name()
+
+    def measure(self, assign: dict[str, str]) -> dict:
+        """KL (± its standard error), perplexity and top-1 agreement of ``assign``."""
+        r = self.analysis.measure({m: (self.by_name[u], s) for u, s in assign.items()
+                                   if get_scheme(s).quantizes
+                                   for m in self.by_name[u].modules})
+        return {"kl": r["kl"], "kl_se": r["kl_se"], "ppl": self.base_ppl() + r["dppl"],
+                "top1": r["top1"]}
+
+    def __call__(self, assign: dict[str, str]) -> float:
+        return self.measure(assign)["kl"]
+
+    @property
+    def calibrated(self) -> dict:
+        """The input statistics and scale-search weights it quantizes with, as keywords
+        for another judge."""
+        return {"stats": self.analysis.stats, "importance": self.analysis.importance}
+
+    def base_ppl(self) -> float:
+        """The unquantized model's perplexity on the windows."""
+        return self.analysis.base_ppl()
+
+
 def measure_on(model: torch.nn.Module, units: UnitMap, windows: torch.Tensor, rounded=None,
                schemes=()) -> Callable[[dict[str, str]], float]:
-    """unit -> scheme assignment -> the KL it measures on ``windows`` (fp4sense's bit-exact
-    fake quantization of every unit at once; one base pass, made here, gives the input
-    scales and the scale-search weights from these windows). ``rounded``: the quantized
-    weights of the schemes it covers are its (GPTQ's), not round-to-nearest; ``schemes``:
-    those the assignments may hold (a rotated one's input maxima are taken then)."""
-    from fp4sense.diagnosis.cache import EntryCache
-    from fp4sense.diagnosis.engine import Analysis
-
-    judge = Analysis(model, windows, units, EntryCache(None), progress=False,
-                     rounded=rounded)
-    judge.rotations = rotations_of(schemes)
-    judge.base_pass()
-    by_name = units.by_name()
-
-    def measure(assign: dict[str, str]) -> float:
-        return judge.measure({m: (by_name[u], s) for u, s in assign.items()
-                              if get_scheme(s).quantizes for m in by_name[u].modules})["kl"]
-
-    return measure
+    """unit -> scheme assignment -> the KL it measures on ``windows`` (a :class:`Judge`
+    whose input scales and scale-search weights come from these windows)."""
+    return Judge(model, units, windows, rounded=rounded, schemes=schemes)
 
 
 def select_on_calibration(model, report: SensitivityReport, calib: torch.Tensor,

@@ -1,0 +1,97 @@
+"""The benchmark harness: every experiment runs as ``python -m bench NAME`` (imports,
+parses its options, documents how it is run), no ``sys.path`` inserts, the shared menus,
+and every published result names a command that still exists."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from bench import experiments, harness
+from bench.__main__ import parser_of
+
+REPO = Path(__file__).resolve().parent.parent
+
+NAMES = experiments()
+#: options an experiment requires (everything else has a default)
+REQUIRED = {"smollm2_moe": ["OUT"]}
+
+
+def test_the_experiments_are_the_bench_files():
+    files = sorted(p.stem for p in (REPO / "bench").glob("*.py")
+                   if p.stem not in ("__init__", "__main__", "harness"))
+    assert NAMES == files and len(NAMES) >= 19
+    doc = importlib.import_module("bench").__doc__
+    listed = re.search(r"Experiments: (.*?)\.\n", doc, re.S).group(1)
+    assert [n.strip() for n in listed.split(",")] == NAMES
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_experiment_parses_its_options(name):
+    module = importlib.import_module(f"bench.{name}")
+    assert callable(module.add_args) and callable(module.run)
+    assert not hasattr(module, "main"), "run through python -m bench, not a main of its own"
+    parser = parser_of(name, module)
+    args = parser.parse_args(REQUIRED.get(name, []))
+    assert isinstance(args, object)
+    assert f"python -m bench {name}" in module.__doc__, "its docstring says how to run it"
+    source = (REPO / "bench" / f"{name}.py").read_text()
+    assert "sys.path" not in source and "__file__, " not in source
+    assert "python bench/" not in source
+
+
+def test_python_m_bench_lists_every_experiment():
+    done = subprocess.run([sys.executable, "-m", "bench"], cwd=REPO, capture_output=True,
+                          text=True, check=True)
+    assert all(re.search(rf"^  {n} ", done.stdout, re.M) for n in NAMES)
+    bad = subprocess.run([sys.executable, "-m", "bench", "nope"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "no benchmark 'nope'" in bad.stderr
+
+
+def test_results_name_a_command_that_exists():
+    """Each published result's command runs an experiment that is still there (results
+    written before the package record ``python bench/NAME.py``, now ``python -m bench
+    NAME``)."""
+    checked = 0
+    for path in sorted((REPO / "bench" / "results").glob("*.json")):
+        command = json.loads(path.read_text()).get("command")
+        if not command:
+            continue
+        named = [a or b for a, b in re.findall(r"python (?:bench/(\w+)\.py|-m bench (\w+))",
+                                                command)]
+        assert named or command.startswith("fp4sense "), f"{path.name}: {command}"
+        assert set(named) <= set(NAMES), f"{path.name}: {command}"
+        checked += 1
+    assert checked >= 10
+
+
+def test_menus_are_defined_once():
+    """The menus' scheme lists are spelled in the harness alone."""
+    for name in NAMES:
+        tree = ast.parse((REPO / "bench" / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.List) and node.elts and all(
+                    isinstance(e, ast.Constant) for e in node.elts):
+                values = [e.value for e in node.elts]
+                assert values not in list(harness.MENUS.values()) + list(
+                    harness.ROTATED_MENUS.values()), f"{name}: a menu spelled again"
+    assert harness.menu("NVFP4") == harness.MENUS["W4A4"]
+    assert harness.searched(harness.MENUS["MX"])[0] == "MXFP4_SEARCH"
+    assert harness.command("stack", ["--only", "plan + GPTQ"]) == (
+        "python -m bench stack --only 'plan + GPTQ'")
+
+
+def test_resumable_records_skip_a_torn_line(tmp_path):
+    done = harness.Done(tmp_path / "rows.jsonl")
+    done.keep({"key": "a", "kl": 0.5})
+    with (tmp_path / "rows.jsonl").open("a") as fh:
+        fh.write('{"key": "b", "kl"')  # a run stopped mid-write
+    again = harness.Done(tmp_path / "rows.jsonl")
+    assert dict(again) == {"a": {"key": "a", "kl": 0.5}}
