@@ -130,3 +130,64 @@ def test_a_quantize_result_reads_as_its_json():
     assert "eval" not in result and result.get("eval") is None and result["out"] == "out"
     other = QuantizeResult("out", rank=1)
     assert "rank" in other and other.to_dict() == {"out": "out", "rank": 1}
+
+
+#: quantize's keywords the YAML plan modifier also takes (its name for it)
+MODIFIER_FIELDS = {"budget_bits": "budget_bits", "budget_bytes": "budget_bytes",
+                   "kl_target": "kl_target", "menu": "menu", "sensitivity": "sensitivity",
+                   "sensitivity_mode": "sensitivity_mode", "pins": "pins",
+                   "estimate_windows": "analysis_windows"}
+
+
+def test_the_yaml_plan_modifier_takes_quantizes_defaults():
+    """SensitivityGuidedModifier (recipe.yaml) plans as quantize does when a field is not
+    given: its defaults are quantize_model's (a pydantic model keeps lists and dicts, so
+    the menu compares as a list and "no pins" is {} against None)."""
+    from fp4sense import defaults
+    from fp4sense.api import quantize_model
+
+    code = ("import json; from fp4sense_llmcompressor.modifier import "
+            "SensitivityGuidedModifier as M; m = M(budget_bits=5.0); "
+            "print(json.dumps({k: getattr(m, k) for k in "
+            + repr(sorted(MODIFIER_FIELDS.values())) + "}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    import json
+
+    got = json.loads(out.strip().splitlines()[-1])
+    api = _signature_defaults(quantize_model)
+    for keyword, field in MODIFIER_FIELDS.items():
+        want = api[keyword]
+        if keyword == "budget_bits":
+            want = 5.0  # given: the modifier needs one objective
+        elif keyword == "menu":
+            want = list(want)
+        elif keyword == "pins":
+            want = want or {}
+        assert got[field] == want, keyword
+    assert tuple(got["menu"]) == defaults.MENU
+    assert got["analysis_windows"] == defaults.ANALYSIS_WINDOWS
+
+
+def test_window_defaults_are_the_definitions_everywhere():
+    """The menu and the window counts: the command line, quantize, analyze and eval
+    take them from fp4sense.defaults."""
+    from fp4sense import defaults
+    from fp4sense.api import analyze_model, evaluate_checkpoint, quantize_model
+    from fp4sense.cli.commands import build_parser
+
+    q = _signature_defaults(quantize_model)
+    assert (q["menu"], q["calib_windows"], q["estimate_windows"], q["eval_windows"],
+            q["window_tokens"]) == (defaults.MENU, defaults.CALIB_WINDOWS,
+                                    defaults.ANALYSIS_WINDOWS, defaults.EVAL_WINDOWS,
+                                    defaults.WINDOW_TOKENS)
+    a, e = _signature_defaults(analyze_model), _signature_defaults(evaluate_checkpoint)
+    assert (a["n_windows"], a["window_tokens"]) == (defaults.ANALYSIS_WINDOWS,
+                                                    defaults.WINDOW_TOKENS)
+    assert (e["n_windows"], e["window_tokens"]) == (defaults.EVAL_WINDOWS,
+                                                    defaults.WINDOW_TOKENS)
+    parser = build_parser()
+    args = parser.parse_args(["quantize", "--budget", "5", "--out", "x"])
+    assert (args.menu, args.calib_windows, args.windows, args.eval_windows, args.tokens) == (
+        ",".join(defaults.MENU), defaults.CALIB_WINDOWS, defaults.ANALYSIS_WINDOWS,
+        defaults.EVAL_WINDOWS, defaults.WINDOW_TOKENS)

@@ -4,7 +4,8 @@ The core imports neither llm-compressor nor vLLM; the adapters live in ``plugins
 The packages follow the pipeline: ``inputs`` -> ``diagnosis`` -> ``planning`` ->
 ``quantization`` -> ``checkpoint`` -> ``evaluation`` -> ``reports`` / ``publishing``,
 with ``numerics`` beneath them all and ``cli`` / ``api`` as the front doors
-(docs/architecture.md).
+(docs/architecture.md); ``validate`` holds the flag checks and ``UserError``, ``defaults``
+the defaults the front doors share.
 """
 
 __version__ = "0.5.0"

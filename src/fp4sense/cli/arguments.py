@@ -8,6 +8,7 @@ import argparse
 import re
 from pathlib import Path
 
+from fp4sense import defaults
 from fp4sense.quantization.distill_settings import MODES, cli_options
 from fp4sense.validate import (
     block_list,
@@ -81,8 +82,8 @@ def text_source(args: argparse.Namespace) -> str | None:
 def _add_windows(p: argparse.ArgumentParser, default: int, what: str) -> None:
     p.add_argument("--windows", type=positive_int, default=default,
                    help=f"{what} (default {default})")
-    p.add_argument("--tokens", type=positive_int, default=512,
-                   help="tokens per window (default 512)")
+    p.add_argument("--tokens", type=positive_int, default=defaults.WINDOW_TOKENS,
+                   help=f"tokens per window (default {defaults.WINDOW_TOKENS})")
     p.add_argument("--raw-windows", action="store_true",
                    help="windows of text tokens only: without the BOS (or prefix) the "
                    "tokenizer starts a sequence with, which windows otherwise begin with")
@@ -125,7 +126,7 @@ def analyze_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grid-blocks", type=block_list, default=None,
                    help="measure the grid only for these blocks (comma-separated; '' for "
                    "none, the estimate alone; default: all)")
-    _add_windows(p, 8, "analysis windows")
+    _add_windows(p, defaults.ANALYSIS_WINDOWS, "analysis windows")
     p.add_argument("--out", type=Path, default=Path("fp4sense-analysis"),
                    help="output folder (sensitivity.json, report.md, plots)")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
@@ -149,7 +150,7 @@ def quantize_args(p: argparse.ArgumentParser) -> None:
     goal.add_argument("--kl-target", type=positive_float,
                       help="fewest bits with predicted KL below")
     p.add_argument("--out", type=Path, required=True, help="checkpoint folder to write")
-    p.add_argument("--menu", type=non_empty, default="NVFP4,FP8_DYNAMIC,BF16",
+    p.add_argument("--menu", type=non_empty, default=",".join(defaults.MENU),
                    help="schemes units may get")
     p.add_argument("--sensitivity", type=Path, default=None,
                    help="a saved sensitivity.json (default: estimate it now)")
@@ -172,10 +173,11 @@ def quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-model-id", default=None, metavar="ORG/NAME",
                    help="the base model's Hub id, for the model card's lineage (default: "
                         "derived where certain: a hub id, a Hugging Face cache folder)")
-    p.add_argument("--calib-windows", type=positive_int, default=32,
+    p.add_argument("--calib-windows", type=positive_int, default=defaults.CALIB_WINDOWS,
                    help="calibration windows")
-    _add_windows(p, 8, "windows for the sensitivity estimate (the first calibration ones)")
-    p.add_argument("--eval-windows", type=positive_int, default=16,
+    _add_windows(p, defaults.ANALYSIS_WINDOWS,
+                 "windows for the sensitivity estimate (the first calibration ones)")
+    p.add_argument("--eval-windows", type=positive_int, default=defaults.EVAL_WINDOWS,
                    help="evaluation windows for the model card's figures")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation for the card")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
@@ -189,7 +191,7 @@ def eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", type=Path, help="compressed-tensors checkpoint folder")
     p.add_argument("--base", default=None, help="unquantized model (default: as recorded)")
     _add_text(p, "evaluation text file (default: protocol evaluation split)")
-    _add_windows(p, 16, "evaluation windows")
+    _add_windows(p, defaults.EVAL_WINDOWS, "evaluation windows")
     p.add_argument("--as-served", action="store_true",
                    help="compute MXFP4A16 layers as W4A4, as vLLM serves them")
     _add_placement(p)

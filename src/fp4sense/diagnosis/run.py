@@ -8,11 +8,12 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+from fp4sense import defaults
 from fp4sense.diagnosis.offload import check_offload_dir
 from fp4sense.diagnosis.results import SensitivityReport
 from fp4sense.diagnosis.views import analyze, check_request
 from fp4sense.evaluation.metrics import implausible
-from fp4sense.inputs.models import DEFAULT_ANALYSIS_WINDOWS, analysis_windows, load_model
+from fp4sense.inputs.models import analysis_windows, load_model
 from fp4sense.inputs.texts import window_prefix
 from fp4sense.publishing.lineage import text_name
 from fp4sense.reports.analysis import write_analysis
@@ -30,8 +31,8 @@ def analyze_model(
     schemes: Sequence[str] = ("NVFP4", "MXFP4"),
     views: Sequence[str] = ("component", "block"),
     modes: Sequence[str] = ("measured",),
-    n_windows: int = DEFAULT_ANALYSIS_WINDOWS,
-    window_tokens: int = 512,
+    n_windows: int = defaults.ANALYSIS_WINDOWS,
+    window_tokens: int = defaults.WINDOW_TOKENS,
     raw_windows: bool = False,
     grid_blocks: Iterable[int] | None = None,
     out_dir: str | os.PathLike | None = None,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from fp4sense import defaults
 from fp4sense.inputs.models import load_model
 
 __all__ = ["evaluate_checkpoint"]
@@ -18,8 +19,8 @@ def evaluate_checkpoint(
     *,
     base: str | os.PathLike | None = None,
     text: str | os.PathLike | None = None,
-    n_windows: int = 16,
-    window_tokens: int = 512,
+    n_windows: int = defaults.EVAL_WINDOWS,
+    window_tokens: int = defaults.WINDOW_TOKENS,
     as_served: bool = False,
     raw_windows: bool = False,
     device: str = "cpu",

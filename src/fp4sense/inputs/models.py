@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from fp4sense import defaults
+
 __all__ = ["BUNDLED_MODEL_NOTE", "DEFAULT_ANALYSIS_WINDOWS", "STORED_DTYPES", "analysis_windows",
            "load_model", "quantization_dtypes", "stored_dtype"]
 
@@ -22,7 +24,7 @@ ANALYZE_INSTEAD = "use --offload-dir DIR instead (blocks are copied there, exper
 QUANTIZE_INSTEAD = "drop --low-memory (the estimate then holds the whole model in memory)"
 
 #: Analysis windows by default: the protocol's quick analysis (8 calibration windows).
-DEFAULT_ANALYSIS_WINDOWS = 8
+DEFAULT_ANALYSIS_WINDOWS = defaults.ANALYSIS_WINDOWS
 
 
 def load_model(source: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
@@ -247,7 +249,7 @@ def _check_finite(model: torch.nn.Module, source: str) -> None:
 
 
 def analysis_windows(tokenizer, text: str | os.PathLike | None = None, n_windows: int =
-                     DEFAULT_ANALYSIS_WINDOWS, window_tokens: int = 512,
+                     DEFAULT_ANALYSIS_WINDOWS, window_tokens: int = defaults.WINDOW_TOKENS,
                      raw: bool = False) -> torch.Tensor:
     """Analysis windows: the protocol's calibration split, or ``text`` (a file path or
     ``dataset:NAME[:CONFIG][:SPLIT]``). Never the evaluation split. Each starts as the

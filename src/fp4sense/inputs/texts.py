@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from fp4sense import defaults
 from fp4sense.validate import UserError
 
 __all__ = [
@@ -30,7 +31,7 @@ __all__ = [
     "window_prefix",
 ]
 
-WINDOW_TOKENS = 512
+WINDOW_TOKENS = defaults.WINDOW_TOKENS
 CALIB_WINDOWS = 32
 EVAL_WINDOWS = 16
 # how results name the default evaluation text

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from compressed_tensors.utils.match import match_name
 
-from fp4sense import __version__
+from fp4sense import __version__, defaults
 from fp4sense.diagnosis import SensitivityReport
 from fp4sense.diagnosis.units import Unit, UnitMap
 from fp4sense.numerics.schemes import bits_per_weight, get_scheme, to_quantization_scheme
@@ -34,7 +34,7 @@ __all__ = ["DEFAULT_MENU", "PLAN_VERSION", "Plan", "PlanError", "check_pins", "p
            "solve"]
 
 PLAN_VERSION = 1
-DEFAULT_MENU = ("NVFP4", "FP8_DYNAMIC", "BF16")
+DEFAULT_MENU = defaults.MENU
 
 
 class PlanError(UserError, ValueError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-from fp4sense.inputs.models import DEFAULT_ANALYSIS_WINDOWS
+from fp4sense import defaults
 from fp4sense.quantization.distill_settings import DistillSettings
 from fp4sense.quantization.request import QuantizeRequest
 from fp4sense.quantization.run import QuantizeResult, QuantizeRun
@@ -24,7 +24,7 @@ def quantize_model(
     budget_bits: float | None = None,
     budget_bytes: int | None = None,
     kl_target: float | None = None,
-    menu: Sequence[str] = ("NVFP4", "FP8_DYNAMIC", "BF16"),
+    menu: Sequence[str] = defaults.MENU,
     sensitivity: str | os.PathLike | None = None,
     sensitivity_mode: str | None = None,
     pins: dict[str, str] | None = None,
@@ -35,12 +35,12 @@ def quantize_model(
     distill: DistillSettings | None = None,
     base_model_id: str | None = None,
     text: str | os.PathLike | None = None,
-    calib_windows: int = 32,
-    estimate_windows: int = DEFAULT_ANALYSIS_WINDOWS,
-    window_tokens: int = 512,
+    calib_windows: int = defaults.CALIB_WINDOWS,
+    estimate_windows: int = defaults.ANALYSIS_WINDOWS,
+    window_tokens: int = defaults.WINDOW_TOKENS,
     raw_windows: bool = False,
     evaluate: bool = True,
-    eval_windows: int = 16,
+    eval_windows: int = defaults.EVAL_WINDOWS,
     overwrite: bool = False,
     device: str = "cpu",
     dtype: str | None = None,

@@ -36,6 +36,7 @@ from llmcompressor.core import Event, State
 from llmcompressor.modifiers.quantization import QuantizationModifier
 from pydantic import PrivateAttr
 
+from fp4sense import defaults
 from fp4sense.diagnosis import SensitivityReport, analyze
 from fp4sense.diagnosis.units import model_fingerprint
 from fp4sense.inputs.models import STORED_DTYPES, quantization_dtypes
@@ -77,7 +78,7 @@ class SensitivityGuidedModifier(QuantizationModifier):
     menu: list[str] = list(DEFAULT_MENU)
     sensitivity: str | None = None
     sensitivity_mode: str | None = None
-    analysis_windows: int = 8
+    analysis_windows: int = defaults.ANALYSIS_WINDOWS
     pins: dict[str, str] = {}
     plan: str | None = None
     plan_path: str | None = None

@@ -1,0 +1,17 @@
+"""The defaults that several front doors share (the command line, the Python API, the YAML
+modifiers, optimum-cli, which reuses the command line's arguments), defined once here.
+It imports nothing, so the command line reads it before torch is imported;
+tests/test_options.py fails when a door's default differs from these."""
+
+from __future__ import annotations
+
+#: the schemes a plan may give a unit (BF16 = left alone)
+MENU = ("NVFP4", "FP8_DYNAMIC", "BF16")
+#: analysis windows, and the sensitivity estimate's (the first calibration windows)
+ANALYSIS_WINDOWS = 8
+#: calibration windows of quantize (llm-compressor's oneshot, GPTQ, QAD)
+CALIB_WINDOWS = 32
+#: evaluation windows of the held-out text (eval, the model card's figures)
+EVAL_WINDOWS = 16
+#: tokens per window
+WINDOW_TOKENS = 512
