@@ -1,5 +1,6 @@
-"""Helpers several test modules share: a calibration dataset, llm-compressor's oneshot
-with one preset, a model of no known family, a uniform plan written as a checkpoint."""
+"""Helpers several test modules share: random windows, a family's tiny model loaded, a
+calibration dataset, llm-compressor's oneshot with one preset, a model of no known
+family, a uniform plan written as a checkpoint."""
 
 from __future__ import annotations
 
@@ -7,6 +8,21 @@ import torch
 
 #: how a CPU run calibrates a bf16 base (plan.json's ``calibration``)
 FP32 = {"dtype": "float32", "stored_dtype": "bfloat16", "window_prefix": []}
+
+
+def random_windows(n=3, length=64, seed=0) -> torch.Tensor:
+    """``n`` windows of ``length`` random token ids (SmolLM2's vocabulary)."""
+    return torch.randint(0, 49152, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def family_model(path, family: str = "llama", dtype=torch.float32):
+    """A tiny random model of ``family`` (tests/families.py) saved at ``path``, loaded."""
+    from transformers import AutoModelForCausalLM
+
+    from families import make_family_model
+
+    make_family_model(family, path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 def calibration_dataset(tokenizer_dir, n=4, length=64):

@@ -1,7 +1,7 @@
 """The defaults that several front doors share (the command line, the Python API, the YAML
 modifiers, optimum-cli, which reuses the command line's arguments), defined once here.
 It imports nothing, so the command line reads it before torch is imported;
-tests/test_options.py fails when a door's default differs from these."""
+tests/cli/test_options.py fails when a door's default differs from these."""
 
 from __future__ import annotations
 

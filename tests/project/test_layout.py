@@ -140,3 +140,15 @@ def test_every_module_is_named_in_its_package_and_in_the_layout_page():
             if module.name not in layout:
                 missing.append(f"{package.name}/{module.name}: not in docs/layout.md")
     assert missing == []
+
+
+def test_tests_mirror_the_stages():
+    """Every test module sits in a folder named after the package it tests, or in one of
+    the folders that cross the stages (models: every family end to end and MoE; project:
+    the repository itself); none at the top of tests/."""
+    tests = Path(__file__).resolve().parents[1]
+    assert not sorted(tests.glob("test_*.py"))
+    packages = {p.name for p in SRC.iterdir() if (p / "__init__.py").is_file()}
+    folders = {p.parent.name for p in tests.rglob("test_*.py")}
+    assert folders <= packages | {"models", "project"}, folders - packages
+    assert len(folders & packages) >= 8

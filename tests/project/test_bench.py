@@ -16,7 +16,7 @@ import pytest
 from bench import experiments, harness
 from bench.__main__ import parser_of
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 NAMES = experiments()
 #: options an experiment requires (everything else has a default)

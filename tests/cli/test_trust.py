@@ -1,6 +1,6 @@
 """Trust under attack and accident: no code runs from a file beside the output, one run
 owns an output folder, nothing private lies in the folder a user uploads, a checkpoint
-that lies is named (SIGTERM: tests/test_cli.py, beside Ctrl-C)."""
+that lies is named (SIGTERM: tests/cli/test_cli.py, beside Ctrl-C)."""
 
 from __future__ import annotations
 

@@ -102,7 +102,7 @@ def test_help_lists_every_command_and_the_exit_codes():
 def test_the_cli_reference_documents_the_exit_codes():
     from fp4sense.cli import EXIT_CODES_HELP
 
-    readme = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
     for line in EXIT_CODES_HELP.splitlines()[1:]:
         code, meaning = line.split(maxsplit=1)
         assert f"| {code} | {meaning} |" in readme, line

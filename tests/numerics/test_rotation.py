@@ -224,7 +224,7 @@ def test_the_cpu_hadamard_kernel_is_vllms_op(serve_python):
     """The plugin defines vLLM's ``_C::hadacore_transform`` for the CPU: what vLLM's own
     test expects of the CUDA kernel (x times the normalized Hadamard matrix), and bit for
     bit the calibration's rotation of each block."""
-    script = Path(__file__).parent / "serve" / "hadamard_check.py"
+    script = Path(__file__).resolve().parents[1] / "serve" / "hadamard_check.py"
     done = subprocess.run([str(serve_python), str(script)], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -2,7 +2,7 @@
 the culprit named, nothing written or lost, no wrong success.
 
 Tiny random models keep it fast. The cases are counted in docs/reliability.md
-(`pytest tests/test_robustness.py --collect-only -q`)."""
+(`pytest tests/cli/test_robustness.py --collect-only -q`)."""
 
 from __future__ import annotations
 

@@ -20,11 +20,7 @@ from fp4sense.diagnosis import (
 from fp4sense.diagnosis.cache import EntryCache
 from fp4sense.diagnosis.engine import Analysis
 from fp4sense.diagnosis.units import UnitError, find_units
-from helpers import ToyLM
-
-
-def _random_windows(n=3, length=64, seed=0):
-    return torch.randint(0, 49152, (n, length), generator=torch.Generator().manual_seed(seed))
+from helpers import ToyLM, random_windows
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +110,7 @@ def test_units_a_format_cannot_take_are_left_out_and_named():
 # --- measured: the replay shortcut changes nothing ------------------------------------
 def test_replayed_blocks_give_the_same_numbers_as_full_runs(tiny):
     units = find_units(tiny)
-    run = Analysis(tiny, _random_windows(), units, EntryCache(None), progress=False)
+    run = Analysis(tiny, random_windows(), units, EntryCache(None), progress=False)
     unit = units.by_name()["1:mlp.gate_proj+up_proj"]
     pert = {m: (unit, "NVFP4") for m in unit.modules}
     fast = run.measure(pert)  # blocks < 1 replayed
@@ -135,11 +131,11 @@ def test_windows_beyond_the_stored_log_probs_measure_the_same(tiny, monkeypatch)
     units = find_units(tiny)
     unit = units.by_name()["1:mlp.gate_proj+up_proj"]
     pert = {m: (unit, "NVFP4") for m in unit.modules}
-    stored = Analysis(tiny, _random_windows(), units, EntryCache(None), progress=False)
+    stored = Analysis(tiny, random_windows(), units, EntryCache(None), progress=False)
     want = stored.measure(pert)
     one_window = 64 * tiny.config.vocab_size * 4  # float32 log-probs of 64 tokens
     monkeypatch.setattr(engine, "BASE_LOGPROB_BYTES", one_window)
-    run = Analysis(tiny, _random_windows(), units, EntryCache(None), progress=False)
+    run = Analysis(tiny, random_windows(), units, EntryCache(None), progress=False)
     run.base_pass()
     assert [lp is None for lp in run.base_lp] == [False, True, True]
     got = run.measure(pert)
@@ -150,7 +146,7 @@ def test_windows_beyond_the_stored_log_probs_measure_the_same(tiny, monkeypatch)
 
 def test_protect_from_the_quantized_outputs_equals_a_full_run(tiny):
     units = find_units(tiny)
-    run = Analysis(tiny, _random_windows(), units, EntryCache(None), progress=False)
+    run = Analysis(tiny, random_windows(), units, EntryCache(None), progress=False)
     everything = {m: (u, "MXFP4") for u in units.units for m in u.modules}
     protect_1 = {m: v for m, v in everything.items() if v[0].block != 1}
     source, whole = run.quantized_outputs("MXFP4", everything)
@@ -162,7 +158,7 @@ def test_protect_from_the_quantized_outputs_equals_a_full_run(tiny):
 
 def test_weights_are_restored_after_each_perturbation(tiny):
     before = {k: v.clone() for k, v in tiny.state_dict().items()}
-    analyze(tiny, _random_windows(2, 32), schemes=["NVFP4", "INT8"], views=["block"],
+    analyze(tiny, random_windows(2, 32), schemes=["NVFP4", "INT8"], views=["block"],
             cache_dir=None, progress=False, log=lambda m: None)
     after = tiny.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -172,7 +168,7 @@ def test_weights_are_restored_after_each_perturbation(tiny):
 
 # --- estimated ------------------------------------------------------------------------
 def test_estimates_cover_every_unit_and_scheme(tiny):
-    report = analyze(tiny, _random_windows(2, 32), schemes=["NVFP4", "MXFP4A16", "INT8"],
+    report = analyze(tiny, random_windows(2, 32), schemes=["NVFP4", "MXFP4A16", "INT8"],
                      views=["component", "block", "grid"], modes=["estimated"],
                      cache_dir=None, progress=False, log=lambda m: None)
     for scheme in ("NVFP4", "MXFP4A16", "INT8"):
@@ -232,7 +228,7 @@ def test_correlations_rank_measured_against_estimated(tiny):
 
 # --- report file and cache ------------------------------------------------------------
 def test_report_round_trip_and_refusals(tiny, tmp_path):
-    report = analyze(tiny, _random_windows(2, 32), schemes=["NVFP4"], views=["component"],
+    report = analyze(tiny, random_windows(2, 32), schemes=["NVFP4"], views=["component"],
                      cache_dir=None, progress=False, log=lambda m: None)
     path = report.save(tmp_path / "sensitivity.json")
     again = SensitivityReport.load(path, model_fingerprint=report.model_fingerprint)
@@ -247,7 +243,7 @@ def test_report_round_trip_and_refusals(tiny, tmp_path):
 
 
 def test_interrupted_analysis_resumes_where_it_stopped(tiny, tmp_path, monkeypatch):
-    windows = _random_windows(2, 32)
+    windows = random_windows(2, 32)
     kw = dict(schemes=["NVFP4"], views=["block"], cache_dir=tmp_path, progress=False,
               log=lambda m: None)
     calls = {"n": 0}
@@ -269,7 +265,7 @@ def test_interrupted_analysis_resumes_where_it_stopped(tiny, tmp_path, monkeypat
     fresh = analyze(tiny, windows, **{**kw, "cache_dir": None})
     assert [e.kl for e in resumed.entries] == pytest.approx([e.kl for e in fresh.entries])
     # other text: nothing reused
-    other = analyze(tiny, _random_windows(2, 32, seed=1), **kw)
+    other = analyze(tiny, random_windows(2, 32, seed=1), **kw)
     assert other.cost["cached_entries"] == 0
 
 
@@ -319,7 +315,7 @@ def test_offloaded_analysis_equals_in_memory_and_holds_one_block(tiny, tmp_path)
     """With offload_dir only the running block's weights are in memory; the numbers are
     the in-memory ones, and the model gets its weights back."""
 
-    windows = _random_windows(2, 32)
+    windows = random_windows(2, 32)
     kw = dict(schemes=["NVFP4", "FP8_DYNAMIC"], views=["component", "block", "grid"],
               modes=["measured", "estimated"], cache_dir=None, progress=False,
               log=lambda m: None)
@@ -362,13 +358,13 @@ def test_a_new_view_is_one_registration(tiny):
 
     try:
         assert "first" in view_options()
-        report = analyze(tiny, _random_windows(2, 32), schemes=["NVFP4"], views=["first"],
+        report = analyze(tiny, random_windows(2, 32), schemes=["NVFP4"], views=["first"],
                          modes=["measured", "estimated"], cache_dir=None, progress=False,
                          log=lambda m: None)
         got = {(e.view, e.target, e.mode) for e in report.entries if e.view != "grid"}
         assert got == {("first_block", "0", "measured"), ("first_block", "0", "estimated")}
         # the same perturbation as the built-in view isolating block 0
-        iso = analyze(tiny, _random_windows(2, 32), schemes=["NVFP4"], views=["block"],
+        iso = analyze(tiny, random_windows(2, 32), schemes=["NVFP4"], views=["block"],
                       modes=["measured"], cache_dir=None, progress=False, log=lambda m: None)
         assert report.table("first_block", "NVFP4")["0"].kl == \
             iso.table("block_isolate", "NVFP4")["0"].kl
