@@ -114,6 +114,27 @@ def test_experts_are_one_unit_per_block_and_nothing_is_skipped(family, moe_model
     assert held <= covered
 
 
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_linearized_experts_follow_the_model_to_its_device(family, moe_models):
+    """llm-compressor's linearization wraps each new expert module in compressed-tensors'
+    offloading, which onloads it to the device the model was on then (the CPU): moved to
+    a GPU, the experts still ran on the CPU and the block failed adding them to the shared
+    expert (found by the first GPU run of a MoE). The loaded model holds no such wrapper,
+    and runs on another device whole: here torch's ``meta`` device, which fails the same
+    way on this CPU machine."""
+    from compressed_tensors.offload.cache import OffloadCache
+
+    model = _load(moe_models[family])
+    assert not [n for n, m in model.named_modules() if isinstance(m._parameters, OffloadCache)]
+    assert not [n for n, m in model.named_modules() if hasattr(m, "_original_forward_func")]
+    model.to("meta")
+    ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    # routing selects tokens with nonzero(): on meta, assume every element is selected
+    with torch.fx.experimental._config.patch(meta_nonzero_assume_all_nonzero=True):
+        logits = model(input_ids=ids).logits
+    assert logits.device.type == "meta" and logits.shape[:2] == (1, 8)
+
+
 def test_an_unexplained_weight_is_named(moe_models):
     from fp4sense.diagnosis.units import find_units
 

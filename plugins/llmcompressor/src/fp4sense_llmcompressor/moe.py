@@ -15,7 +15,18 @@ __all__ = ["linearize"]
 
 
 def linearize(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with every experts module llm-compressor knows linearized (in place)."""
+    """``model`` with every experts module llm-compressor knows linearized (in place).
+
+    llm-compressor gives each new module the offloading of the experts it replaces
+    (compressed-tensors' ``offload_module``: onload to the device they were on). A model
+    that was not offloaded before is left so: otherwise, moved to a GPU afterwards, its
+    experts would still compute on the CPU."""
+    from compressed_tensors.offload import remove_dispatch
+    from compressed_tensors.offload.cache import OffloadCache
     from llmcompressor.modeling.moe.linearize import linearize_moe
 
-    return linearize_moe(model)
+    offloaded = any(isinstance(m._parameters, OffloadCache) for m in model.modules())
+    linearize_moe(model)
+    if not offloaded:
+        remove_dispatch(model, onload_tensors=True)
+    return model
