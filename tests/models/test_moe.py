@@ -122,9 +122,15 @@ def test_linearized_experts_follow_the_model_to_its_device(family, moe_models):
     expert (found by the first GPU run of a MoE). The loaded model holds no such wrapper,
     and runs on another device whole: here torch's ``meta`` device, which fails the same
     way on this CPU machine."""
+    _runs_whole_on_meta(_load(moe_models[family]))
+
+
+def _runs_whole_on_meta(model) -> None:
+    """No compressed-tensors offloading wrapper is left, and the model runs whole on
+    torch's ``meta`` device (a wrapper would onload its inputs to the CPU, as it did on a
+    GPU)."""
     from compressed_tensors.offload.cache import OffloadCache
 
-    model = _load(moe_models[family])
     assert not [n for n, m in model.named_modules() if isinstance(m._parameters, OffloadCache)]
     assert not [n for n, m in model.named_modules() if hasattr(m, "_original_forward_func")]
     model.to("meta")
@@ -133,6 +139,21 @@ def test_linearized_experts_follow_the_model_to_its_device(family, moe_models):
     with torch.fx.experimental._config.patch(meta_nonzero_assume_all_nonzero=True):
         logits = model(input_ids=ids).logits
     assert logits.device.type == "meta" and logits.shape[:2] == (1, 8)
+
+
+def test_a_moe_checkpoint_loads_whole_on_another_device(moe_models, tmp_path):
+    """`fp4sense eval` of a MoE checkpoint on a GPU failed: compressed-tensors left the
+    loaded model's modules wrapped in offloading to the CPU, so its logits came back on
+    the CPU (found by gpu_check's MoE part on an H200)."""
+    from fp4sense.checkpoint.loading import load_checkpoint
+
+    out = tmp_path / "q"
+    done = subprocess.run([FP4SENSE, "quantize", str(moe_models["qwen2_moe"]), "--budget", "8.0",
+                           "--menu", "NVFP4,BF16", "--no-eval", *SMALL[:6], "--out", str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    model, _, _ = load_checkpoint(out)
+    _runs_whole_on_meta(model)
 
 
 def test_an_unexplained_weight_is_named(moe_models):

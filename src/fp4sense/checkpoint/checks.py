@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 from compressed_tensors.utils.match import match_name
+from safetensors import SafetensorError, safe_open
+from transformers import AutoTokenizer
 
 from fp4sense.validate import UserError
 
@@ -45,7 +47,6 @@ class CheckpointError(UserError, ValueError):
 def _stored_tensors(path: Path) -> dict[str, dict]:
     """name -> {dtype, shape, nbytes} of one safetensors file, read with safetensors'
     own reader (which also refuses a file that does not hold every byte it declares)."""
-    from safetensors import SafetensorError, safe_open
 
     out = {}
     try:
@@ -233,15 +234,12 @@ def _check_stored(folder: Path, module: str, tensors: dict[str, dict]) -> None:
 
 
 def _read_tensor(folder: Path, entry: dict, name: str) -> torch.Tensor:
-    from safetensors import safe_open
-
     with safe_open(folder / entry["file"], framework="pt") as fh:
         return fh.get_tensor(name).float()
 
 
 def checkpoint_tokenizer(folder: str | os.PathLike):
     """The tokenizer saved in a checkpoint folder; one line naming the folder if none."""
-    from transformers import AutoTokenizer
 
     folder = Path(folder)
     if not (folder / TOKENIZER_CONFIG).is_file() or not any(

@@ -8,7 +8,32 @@ leaves only the activation quantization live. The numbers do not change.
 
 from __future__ import annotations
 
+import copy
+import json
+from pathlib import Path
+
 import torch
+from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.offload import remove_dispatch
+from compressed_tensors.quantization import (
+    QuantizationConfig,
+    QuantizationStatus,
+    apply_quantization_config,
+    preset_name_to_scheme,
+)
+from compressed_tensors.quantization.lifecycle.forward import (
+    forward_quantize,
+    set_forward_quantized,
+)
+from compressed_tensors.transform import TransformConfig, apply_transform_config
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+from transformers.core_model_loading import WeightRenaming
+
+from fp4sense.checkpoint.checks import transform_modules
+from fp4sense.inputs.moe import fused_experts, linearize_experts
+from fp4sense.validate import InputError
 
 __all__ = ["apply_online_transforms", "apply_served_activation_quantization", "bake_weights",
            "load_checkpoint"]
@@ -17,8 +42,6 @@ __all__ = ["apply_online_transforms", "apply_served_activation_quantization", "b
 @torch.no_grad()
 def bake_weights(model: torch.nn.Module) -> int:
     """Replace each quantized weight by its fake-quantized value, once; return the count."""
-    from compressed_tensors.quantization import QuantizationStatus
-    from compressed_tensors.quantization.lifecycle.forward import forward_quantize
 
     baked = 0
     for module in model.modules():
@@ -54,8 +77,6 @@ def apply_served_activation_quantization(
     :return: how many layers quantize their inputs, and notes on what was changed
         beyond the checkpoint's own config
     """
-    from compressed_tensors.quantization import preset_name_to_scheme
-    from compressed_tensors.quantization.lifecycle.forward import set_forward_quantized
 
     mxfp4_inputs = preset_name_to_scheme("MXFP4", ["Linear"]).input_activations
     promoted = quantized = 0
@@ -91,9 +112,6 @@ def load_checkpoint(folder, promote_mxfp4: bool = False, device: str | torch.dev
 
     :return: (model, number of layers quantizing their inputs, notes)
     """
-    from transformers import AutoModelForCausalLM
-
-    from fp4sense.validate import InputError
 
     # compressed-tensors decompresses FP4 weights to bf16 on the first forward; loading
     # straight into float32 then fails on a dtype mismatch. So load in bf16, let one
@@ -127,10 +145,6 @@ def apply_online_transforms(model: torch.nn.Module, folder) -> int:
     compressed-tensors' own ``apply_transform_config``: its weights already hold the
     fused side, and transformers' load attaches no transform. Returns how many linears
     rotate their inputs."""
-    import json
-    from pathlib import Path
-
-    from compressed_tensors.transform import TransformConfig, apply_transform_config
 
     config = json.loads((Path(folder) / "config.json").read_text())
     given = (config.get("quantization_config") or {}).get("transform_config")
@@ -147,9 +161,6 @@ def apply_online_transforms(model: torch.nn.Module, folder) -> int:
 
 def _has_fused_experts(folder) -> bool:
     """Whether the model a checkpoint describes keeps experts as 3-D parameters."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from fp4sense.inputs.moe import fused_experts
 
     config = AutoConfig.from_pretrained(folder)
     if getattr(config.get_text_config(), "num_hidden_layers", None):
@@ -160,8 +171,6 @@ def _has_fused_experts(folder) -> bool:
 
 
 def _without_quantization(config):
-    import copy
-
     plain = copy.deepcopy(config)
     if hasattr(plain, "quantization_config"):
         del plain.quantization_config
@@ -174,17 +183,6 @@ def _load_linearized(folder) -> torch.nn.Module:
     compressed-tensors config applied to it as transformers' quantizer does, the tensors
     loaded - every one the model needs, or one line naming the first that is not there -
     and the weights decompressed."""
-    import json
-    from pathlib import Path
-
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from fp4sense.checkpoint.checks import transform_modules
-    from fp4sense.inputs.moe import linearize_experts
-    from fp4sense.validate import InputError
 
     config = AutoConfig.from_pretrained(folder)
     quantization = getattr(config, "quantization_config", None)
@@ -219,6 +217,9 @@ def _load_linearized(folder) -> torch.nn.Module:
                          f"({len(bad)} tensors); write the checkpoint again")
     if compressor is not None:
         compressor.decompress_model(model)
+    # compressed-tensors leaves its modules wrapped in offloading to the device they were
+    # built on (the CPU): moved to a GPU, they would still compute there
+    remove_dispatch(model, onload_tensors=True)
     return model
 
 
@@ -226,8 +227,6 @@ def _renamed(state: dict, model_type: str) -> dict:
     """Stored names as the model names them: transformers' load-time renamings of the
     family (Mixtral's ``block_sparse_moe`` -> ``mlp``), the only ones a per-expert
     checkpoint needs (its weight converters fuse experts, which these models keep apart)."""
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming
 
     renamings = [r for r in get_checkpoint_conversion_mapping(model_type) or ()
                  if isinstance(r, WeightRenaming)]

@@ -6,6 +6,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from fp4sense.runtime.memory import mapped_allocations, return_freed_memory
+from fp4sense.validate import InputError, check_writable
 
 __all__ = ["BlockStore", "Originals", "check_offload_dir"]
 
@@ -13,7 +18,6 @@ __all__ = ["BlockStore", "Originals", "check_offload_dir"]
 def check_offload_dir(folder: Path) -> None:
     """An offload folder must be writable and hold nothing but fp4sense's block files (a
     previous run's): one line naming it otherwise, before any model is loaded."""
-    from fp4sense.validate import InputError, check_writable
 
     if folder.exists() and not folder.is_dir():
         raise InputError(f"--offload-dir {folder} is an existing file; choose a folder")
@@ -39,7 +43,6 @@ class BlockStore:
     def __init__(self, model, blocks_path: str, folder: Path | None = None,
                  device: torch.device | str = "cpu", files: dict[str, Path] | None = None,
                  dtype: torch.dtype | None = None):
-        from safetensors.torch import save_file
 
         self.blocks = model.get_submodule(blocks_path)
         self.prefix = blocks_path
@@ -79,21 +82,16 @@ class BlockStore:
 
     def tensor(self, full_name: str) -> torch.Tensor:
         """One stored tensor by its model-level name (``model.layers.3.mlp.up_proj.weight``)."""
-        from safetensors import safe_open
 
         file, key = self._where(full_name)
         with safe_open(str(file), "pt") as fh:
             return self._cast(fh.get_tensor(key))
 
     def _load(self, i: int) -> None:
-        from fp4sense.runtime.memory import mapped_allocations
-
         with mapped_allocations():  # the block's weights leave memory when it is dropped
             self._read(i)
 
     def _read(self, i: int) -> None:
-        from safetensors import safe_open
-
         names = [(n, f"{self.prefix}.{i}.{n}") for n, _ in self.blocks[i].named_parameters()]
         by_file: dict[Path, list[tuple[str, str, str]]] = {}
         for name, full in names:
@@ -121,8 +119,6 @@ class BlockStore:
         return self.tensor(full_name)
 
     def _drop(self, i: int) -> None:
-        from fp4sense.runtime.memory import return_freed_memory
-
         for param in self.blocks[i].parameters():
             param.data = torch.empty(0, dtype=param.dtype, device=self.device)
         self.loaded.discard(i)

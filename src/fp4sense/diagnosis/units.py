@@ -28,6 +28,8 @@ Mixture-of-Experts blocks (experts as per-expert linears, :mod:`fp4sense.inputs.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -35,7 +37,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from fp4sense.diagnosis.experts import expert_lists, expert_unit, left_alone, unaccounted
+from fp4sense.numerics.fakequant import quantize_weights, searched_scales
 from fp4sense.numerics.schemes import get_scheme
+from fp4sense.publishing.lineage import public_name
 from fp4sense.validate import UserError
 
 __all__ = ["Unit", "UnitError", "UnitMap", "find_blocks", "find_units", "quantize_unit",
@@ -268,8 +272,6 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     analysis or in bf16 by llm-compressor has one fingerprint), and norms are not hashed,
     since llm-compressor rewrites offset norms (Gemma's ``1 + weight``) during oneshot.
     Tied weights are hashed under each name they have."""
-    import hashlib
-    import json
 
     h = hashlib.sha256()
     config = getattr(model, "config", None)
@@ -307,7 +309,6 @@ def quantize_unit(scheme: str, unit: Unit, weights: Sequence[torch.Tensor],
     group's ``weights`` are read: the others may be None); ``dtype`` / ``scale_dtype``:
     the host's calibration dtype and the checkpoint's scale dtype
     (:func:`fp4sense.numerics.fakequant.quantize_weights`)."""
-    from fp4sense.numerics.fakequant import quantize_weights
 
     out: list[torch.Tensor | None] = [None] * len(weights)
     for part in unit.scale_groups:
@@ -330,7 +331,6 @@ def unit_scales(scheme: str, unit: Unit, weights: Sequence[torch.Tensor],
     """The block scales a ``*_SEARCH`` scheme's search picks for ``unit``'s weights (per
     weight, searched in ``dtype``; each scale group's global scale as
     :func:`quantize_unit` uses it)."""
-    from fp4sense.numerics.fakequant import searched_scales
 
     out: list[torch.Tensor | None] = [None] * len(weights)
     for part in unit.scale_groups:
@@ -350,7 +350,6 @@ def short_kind(kind: str) -> str:
 def model_name(model: torch.nn.Module, fallback: str | os.PathLike = "") -> str:
     """How reports name a model: its Hub id where known, else its folder's name (never a
     path of this machine; see :mod:`fp4sense.publishing.lineage`)."""
-    from fp4sense.publishing.lineage import public_name
 
     config = getattr(model, "config", None)
     return public_name(str(getattr(config, "_name_or_path", "") or fallback))

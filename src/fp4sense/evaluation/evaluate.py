@@ -9,7 +9,15 @@ from pathlib import Path
 import torch
 
 from fp4sense import defaults
+from fp4sense.checkpoint.checks import check_checkpoint, checkpoint_tokenizer, effective_bits
+from fp4sense.checkpoint.loading import load_checkpoint
+from fp4sense.diagnosis.units import model_fingerprint
+from fp4sense.evaluation.metrics import compare_models, implausible
 from fp4sense.inputs.models import load_model
+from fp4sense.inputs.texts import PROTOCOL_EVAL_TEXT, protocol_windows, window_prefix
+from fp4sense.publishing.lineage import is_hub_id, local_record, public_name
+from fp4sense.runtime.devices import resolve
+from fp4sense.validate import InputError
 
 __all__ = ["evaluate_checkpoint"]
 
@@ -41,13 +49,6 @@ def evaluate_checkpoint(
     The result names the checkpoint, base and text by name (Hub id, folder or file name),
     as files that may be shared do, never by their paths on this machine.
     """
-
-    from fp4sense.checkpoint.checks import check_checkpoint, checkpoint_tokenizer, effective_bits
-    from fp4sense.checkpoint.loading import load_checkpoint
-    from fp4sense.evaluation.metrics import compare_models, implausible
-    from fp4sense.inputs.texts import PROTOCOL_EVAL_TEXT, protocol_windows, window_prefix
-    from fp4sense.publishing.lineage import public_name
-    from fp4sense.runtime.devices import resolve
 
     placement = resolve(device, dtype, log=log)
     folder = Path(checkpoint)
@@ -90,8 +91,6 @@ def _check_base_matches(folder: Path, base_model: torch.nn.Module, base) -> None
     """The base model has the checkpoint's architecture and shapes (else KL vs it is
     meaningless): one line naming both."""
 
-    from fp4sense.validate import InputError
-
     saved = json.loads((folder / "config.json").read_text())
     keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "vocab_size")
@@ -107,7 +106,6 @@ def _other_base(folder: Path, base_model: torch.nn.Module) -> str | None:
     """A line when plan.json records the fingerprint of another base than the one given
     (same architecture, other weights: the KL is then against a model the checkpoint was
     not made from); None when they agree or nothing is recorded."""
-    from fp4sense.diagnosis.units import model_fingerprint
 
     plan = folder / "plan.json"
     recorded = json.loads(plan.read_text()).get("model_fingerprint") if plan.is_file() \
@@ -123,8 +121,6 @@ def _other_base(folder: Path, base_model: torch.nn.Module) -> str | None:
 def _recorded_base(folder: Path) -> str:
     """The base model a checkpoint was made from: the local path fp4sense recorded on
     this machine, else the Hub id or folder plan.json and config.json name."""
-
-    from fp4sense.publishing.lineage import is_hub_id, local_record
 
     candidates = [local_record(folder).get("base")]
     plan = folder / "plan.json"

@@ -3,10 +3,15 @@ makes a bad model one clear line; and the analysis windows of a text."""
 
 from __future__ import annotations
 
+import copy
+import json
+import logging
 import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from fp4sense import defaults
 
@@ -42,7 +47,6 @@ def load_model(source: str | os.PathLike | None = None, dtype: torch.dtype = tor
     after (``model.fp4sense_blocks``, a :class:`~fp4sense.diagnosis.offload.BlockStore`;
     nothing is copied). Memory then holds one block, not the model. A model that cannot
     be read so is refused in one line ending with ``instead``: the caller's way out."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fp4sense.publishing.lineage import is_hub_id
     from fp4sense.validate import InputError
@@ -98,7 +102,6 @@ def stored_dtype(source: str | os.PathLike) -> torch.dtype:
     """The dtype the files of ``source`` (a folder or Hub id) store its weights in, from
     its config (float32 where the config names none, as transformers then assumes).
     Refuses, in one line, a checkpoint that is already quantized or stores another dtype."""
-    from transformers import AutoConfig
 
     from fp4sense.validate import InputError
 
@@ -127,9 +130,6 @@ def quantization_dtypes(model: torch.nn.Module) -> tuple[torch.dtype, torch.dtyp
 
 def _weight_files(source) -> dict[str, Path]:
     """tensor name -> safetensors file of a model folder (or Hub snapshot)."""
-    import json
-
-    from safetensors import safe_open
 
     folder = Path(source)
     if not folder.is_dir():
@@ -150,10 +150,6 @@ def _weight_files(source) -> dict[str, Path]:
 def _load_without_blocks(source, dtype: torch.dtype, instead: str):
     """The model with its weights outside the decoder blocks loaded and its blocks on
     the meta device (built with the full config, each with its index)."""
-    import copy
-    import logging
-
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from fp4sense.diagnosis.units import find_blocks
 

@@ -28,9 +28,13 @@ import functools
 from collections.abc import Callable, Sequence
 
 import torch
+from compressed_tensors.quantization import QuantizationStatus, QuantizationStrategy
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize, forward_quantize
+from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
 from fp4sense.numerics import formats, fp4
 from fp4sense.numerics.rotation import rotate_input, rotate_weight
+from fp4sense.numerics.scale_search import search_block_scales
 from fp4sense.numerics.schemes import MENU, Scheme, get_scheme, to_quantization_scheme
 
 __all__ = ["activation_quantizer", "input_absmax", "quantize_weights", "searched_scales"]
@@ -61,9 +65,6 @@ def _minmax_qdq(weight: torch.Tensor, args, scale_dtype: torch.dtype | None = No
     """compressed-tensors fake quantization with min-max qparams (channel or group);
     ``scale_dtype``: the dtype the checkpoint stores the scales in, where that is not the
     weight's (a float32 calibration of a bf16 model stores them rounded to bf16)."""
-    from compressed_tensors.quantization import QuantizationStrategy
-    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
-    from compressed_tensors.quantization.utils import calculate_qparams
 
     if args.strategy == QuantizationStrategy.CHANNEL:
         lo, hi = weight.amin(dim=1, keepdim=True), weight.amax(dim=1, keepdim=True)
@@ -162,8 +163,6 @@ def searched_scales(
 
 
 def _search(ws, fmt, gs, importance) -> list[torch.Tensor]:
-    from fp4sense.numerics.scale_search import search_block_scales
-
     imps = list(importance) if importance is not None else [None] * len(ws)
     # per block, so per slice of rows (the global scale is the whole group's)
     return [torch.cat([search_block_scales(w[r:r + _row_step(w)], fmt, gs, imp)
@@ -183,9 +182,6 @@ def activation_quantizer(
     FP4 inputs go through :func:`fp4sense.numerics.fp4.quantize_dequantize_activations`, the
     one activation quantizer; FP8 / INT8 through compressed-tensors' ``forward_quantize``.
     """
-    from compressed_tensors.quantization import QuantizationStatus
-    from compressed_tensors.quantization.lifecycle.forward import forward_quantize
-    from compressed_tensors.quantization.utils import generate_gparam
 
     s = get_scheme(scheme)
     if s.rotation is not None:  # the input rotated first (amax: of the rotated input)

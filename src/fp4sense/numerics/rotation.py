@@ -24,6 +24,9 @@ import math
 from collections.abc import Mapping, Sequence
 
 import torch
+from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
+from compressed_tensors.transform.utils.hadamard import deterministic_hadamard_matrix
+from compressed_tensors.transform.utils.matrix import apply_transform_weight
 
 __all__ = ["TRANSFORM_PRECISION", "TRANSFORM_TYPE", "hadamard", "rotate_input",
            "rotate_weight", "rotation_flops_per_token", "transform_config"]
@@ -37,8 +40,6 @@ TRANSFORM_PRECISION = torch.float64
 
 @functools.lru_cache(maxsize=8)
 def _sylvester(block: int) -> torch.Tensor:
-    from compressed_tensors.transform.utils.hadamard import deterministic_hadamard_matrix
-
     return deterministic_hadamard_matrix(block, TRANSFORM_PRECISION, torch.device("cpu"))
 
 
@@ -50,7 +51,6 @@ def hadamard(block: int) -> torch.Tensor:
 def _apply(value: torch.Tensor, block: int, location: str) -> torch.Tensor:
     """compressed-tensors' HadamardTransform.forward for ``head_dim = block`` at
     ``location`` ("input", or "weight_input" with the inverse matrix)."""
-    from compressed_tensors.transform.utils.matrix import apply_transform_weight
 
     if value.shape[-1] % block:
         raise ValueError(f"a {block}-wide Hadamard rotation needs an input width divisible "
@@ -85,7 +85,6 @@ def transform_config(targets: Mapping[str, Sequence[str]]):
     :meth:`fp4sense.planning.milp.Plan.targets` gives them), one config group per width
     (``hadamard_16``, ...): the input online, the weight fused (inverse), as
     llm-compressor's QuIPModifier ``v`` rotation does. None when no scheme rotates."""
-    from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
 
     from fp4sense.numerics.schemes import get_scheme
 

@@ -26,6 +26,15 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+
+from fp4sense.diagnosis.cache import cache_key
+from fp4sense.diagnosis.results import SensitivityReport
+from fp4sense.diagnosis.units import find_units, model_fingerprint
+from fp4sense.planning.milp import solve
+from fp4sense.publishing.lineage import public_name
+from fp4sense.quantization.hosts import ROUNDERS, host
+from fp4sense.validate import set_aside
 
 __all__ = ["RoundedWeights", "RoundedWeightsError", "round_beside", "round_menu",
            "rounding_dir", "uniform_plan"]
@@ -65,8 +74,6 @@ class RoundedWeights:
                 for i, m in enumerate(unit.modules)]
 
     def weight(self, module: str, scheme: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         if scheme not in self._handles:
             self._handles[scheme] = safe_open(str(self.files[scheme]), "pt", device="cpu")
         handle = self._handles[scheme]
@@ -82,8 +89,6 @@ def uniform_plan(units, scheme: str, model: str, fingerprint: str,
                  calibration: dict | None = None):
     """Every unit ``scheme`` (units it cannot quantize stay BF16), calibrated as
     ``calibration`` says (:attr:`fp4sense.planning.milp.Plan.calibration`)."""
-    from fp4sense.diagnosis.results import SensitivityReport
-    from fp4sense.planning.milp import solve
 
     stub = SensitivityReport(model=model, model_fingerprint=fingerprint, text={},
                              schemes=[scheme], units=units, entries=[],
@@ -103,8 +108,6 @@ def round_menu(source: str, calib: torch.Tensor, units, schemes: Sequence[str],
     rounder, on ``calib``, calibrating as ``calibration`` says); scheme -> its safetensors
     file in ``folder``. A file a finished earlier run left there (same model, windows,
     calibration dtype and scheme) is used again."""
-    from fp4sense.diagnosis.cache import cache_key
-    from fp4sense.quantization.hosts import ROUNDERS, host
 
     folder.mkdir(parents=True, exist_ok=True)
     key = cache_key(fingerprint, calib,
@@ -133,9 +136,6 @@ def round_menu(source: str, calib: torch.Tensor, units, schemes: Sequence[str],
 def _readable(path: Path, log) -> bool:
     """Whether an earlier run's rounded weights read as a whole safetensors file; one that
     does not (a truncated copy, another file under its name) is named and set aside."""
-    from safetensors import safe_open
-
-    from fp4sense.validate import set_aside
 
     try:
         with safe_open(str(path), "pt", device="cpu") as handle:
@@ -158,8 +158,6 @@ def round_beside(model, source: str, calib: torch.Tensor, schemes: Sequence[str]
                  log: Callable[[str], None] = print) -> dict[str, Path]:
     """:func:`round_menu` for ``quantize``: the units and fingerprint of ``model`` (the
     estimate's), the files in :func:`rounding_dir`."""
-    from fp4sense.diagnosis.units import find_units, model_fingerprint
-    from fp4sense.publishing.lineage import public_name
 
     return round_menu(source, calib, find_units(model, calib[:1, :16]), schemes,
                       rounding_dir(out), model=public_name(source),

@@ -7,9 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from huggingface_hub import ModelCard, ModelCardData
+from matplotlib.colors import ListedColormap
+from matplotlib.patches import Patch
 
 from fp4sense.diagnosis.units import short_kind
+from fp4sense.inputs.assets import MODEL_BASE_ID, MODEL_LICENSE
+from fp4sense.inputs.texts import PROTOCOL_EVAL_TEXT
 from fp4sense.numerics.schemes import get_scheme
+from fp4sense.publishing.lineage import hub_id_of
 from fp4sense.reports.plots import pyplot, save_figure
 
 __all__ = ["SCHEME_COLOURS", "plot_plan", "write_model_card"]
@@ -22,8 +28,6 @@ SCHEME_COLOURS = {"BF16": "#d9d9d9", "FP8_DYNAMIC": "#4c72b0", "INT8": "#55a868"
 def plot_plan(plan, path: Path) -> Path:
     """Unit kind × block map of a plan's schemes."""
     plt = pyplot()
-    from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch
 
     kinds: list[str] = []
     blocks = 0
@@ -53,11 +57,9 @@ def plot_plan(plan, path: Path) -> Path:
 def _license(source: str, hub_id: str | None) -> dict:
     """The base model's license fields, where known: the bundled model's, a local folder's
     model card, or (for a model taken from the Hub) its card there; {} when unknown."""
-    from fp4sense.inputs.assets import MODEL_BASE_ID, MODEL_LICENSE
 
     if hub_id == MODEL_BASE_ID:
         return {"license": MODEL_LICENSE}
-    from huggingface_hub import ModelCard
 
     local = Path(source)
     try:
@@ -86,9 +88,6 @@ def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str
         is certain, :func:`fp4sense.publishing.lineage.hub_id_of`); it becomes ``base_model`` with
         ``base_model_relation: quantized``. Without one the card says how to add it.
     """
-    from huggingface_hub import ModelCard, ModelCardData
-
-    from fp4sense.publishing.lineage import hub_id_of
 
     folder = Path(folder)
     plot_plan(plan, folder / "plan.png")
@@ -168,7 +167,6 @@ def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str
 def _text_name(text: str) -> str:
     """The evaluation text as a card names it: the protocol split, a dataset, or a file's
     name (never its path on this machine)."""
-    from fp4sense.inputs.texts import PROTOCOL_EVAL_TEXT
 
     if text == PROTOCOL_EVAL_TEXT:
         return "the protocol's evaluation split (State of the Union addresses 2000–2021)"
