@@ -1,6 +1,7 @@
 """Helpers several test modules share: random windows, a family's tiny model loaded, a
 calibration dataset, llm-compressor's oneshot with one preset, a model of no known
-family, a uniform plan written as a checkpoint."""
+family, a uniform plan written as a checkpoint, a mixed plan over a model's units and a
+copy of its weights (the QAD tests)."""
 
 from __future__ import annotations
 
@@ -125,3 +126,25 @@ def base_pass_inputs(model_dir, name: str, rotations=()):
     run.base_pass()
     handle.remove()
     return run, units, torch.cat(seen)
+
+
+def mixed_plan_setup(path):
+    """A model of ``path`` in float32, 4 random windows of 48 tokens, its units, and a mixed
+    plan over them (W4A4 NVFP4 with searched scales, W4A4 NVFP4, FP8, and the last unit
+    left in BF16); the last unit's name comes last."""
+    from transformers import AutoModelForCausalLM
+
+    from fp4sense.diagnosis.units import find_units
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    windows = torch.randint(0, 2000, (4, 48), generator=torch.Generator().manual_seed(1))
+    units = find_units(model, windows[:1, :16])
+    names = [u.name for u in units.units]
+    schemes = {n: ("NVFP4_SEARCH", "NVFP4", "FP8_DYNAMIC")[i % 3] for i, n in enumerate(names)}
+    schemes[names[-1]] = "BF16"
+    return model, units, schemes, windows, names[-1]
+
+
+def weights_of(model) -> dict:
+    """A copy of every tensor of ``model``'s state."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

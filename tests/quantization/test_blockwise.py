@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from families import make_family_model
-from fp4sense.diagnosis.units import find_units
 from fp4sense.quantization import blockwise
 from fp4sense.quantization.distill import DistillError, DistillSettings, distill
+from helpers import mixed_plan_setup, weights_of
 
 FAMILIES = ["llama", "qwen2", "gemma2", "mistral"]
 
@@ -23,21 +22,6 @@ FAMILIES = ["llama", "qwen2", "gemma2", "mistral"]
 def family_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("blockwise")
     return {f: make_family_model(f, root / f) for f in FAMILIES}
-
-
-def _setup(path: Path):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    windows = torch.randint(0, 2000, (4, 48), generator=torch.Generator().manual_seed(1))
-    units = find_units(model, windows[:1, :16])
-    names = [u.name for u in units.units]
-    # W4A4 NVFP4 with searched scales, W4A4 NVFP4, FP8, and one unit left in BF16
-    schemes = {n: ("NVFP4_SEARCH", "NVFP4", "FP8_DYNAMIC")[i % 3] for i, n in enumerate(names)}
-    schemes[names[-1]] = "BF16"
-    return model, units, schemes, windows, names[-1]
-
-
-def _weights(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _settings(**kw) -> DistillSettings:
@@ -51,7 +35,7 @@ def test_recorded_block_calls_replay_the_model_exactly(family_models, family):
     """Each block run from the recorded call and the previous block's replayed output
     gives the output the whole model's forward gave it (masks, rotary embeddings,
     sliding windows and soft-capping all in the call)."""
-    model, units, *_ = _setup(family_models[family])
+    model, units, *_ = mixed_plan_setup(family_models[family])
     blocks = model.get_submodule(units.blocks_path)
     windows = torch.randint(0, 2000, (2, 40), generator=torch.Generator().manual_seed(2))
     current = {"i": 0}
@@ -69,8 +53,8 @@ def test_recorded_block_calls_replay_the_model_exactly(family_models, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_block_wise_qad_lowers_each_blocks_error_and_the_kl(family_models, family):
-    model, units, schemes, windows, bf16_unit = _setup(family_models[family])
-    before = _weights(model)
+    model, units, schemes, windows, bf16_unit = mixed_plan_setup(family_models[family])
+    before = weights_of(model)
     lines: list[str] = []
     record = distill(model, units, schemes, windows, _settings(holdout=0, windows=4),
                      progress=False, log=lines.append)
@@ -81,7 +65,7 @@ def test_block_wise_qad_lowers_each_blocks_error_and_the_kl(family_models, famil
     assert record["loss_after"] < record["loss_before"]
     assert len(record["history"]["loss"]) == 8 * units.n_blocks
     assert any("block 1" in line for line in lines)
-    after = _weights(model)
+    after = weights_of(model)
     assert sorted(after) == sorted(before)  # no parametrization left behind
     untouched = {f"{m}.weight" for m in units.by_name()[bf16_unit].modules}
     for key, value in before.items():
@@ -93,21 +77,21 @@ def test_block_wise_qad_lowers_each_blocks_error_and_the_kl(family_models, famil
 def test_a_block_wise_run_that_only_hurts_keeps_the_starting_weights(family_models):
     """A learning rate far too high: each block rolls back and its held-out window keeps
     its starting state, so the model ends exactly as it began."""
-    model, units, schemes, windows, _ = _setup(family_models["llama"])
-    before = _weights(model)
+    model, units, schemes, windows, _ = mixed_plan_setup(family_models["llama"])
+    before = weights_of(model)
     record = distill(model, units, schemes, windows, _settings(lr=3.0), progress=False)
     assert record["rollbacks"] and all(b["holdout"]["step"] == 0 for b in record["blocks"])
     assert record["holdout"]["after"] <= record["holdout"]["before"]
-    assert all(torch.equal(v, before[k]) for k, v in _weights(model).items())
+    assert all(torch.equal(v, before[k]) for k, v in weights_of(model).items())
 
 
 def test_interrupted_block_wise_qad_resumes_in_its_block(family_models, tmp_path,
                                                          monkeypatch):
     path = family_models["llama"]
     settings = _settings(lr=1e-3, lr_4bit=2.0)
-    model, units, schemes, windows, _ = _setup(path)
+    model, units, schemes, windows, _ = mixed_plan_setup(path)
     distill(model, units, schemes, windows, settings, progress=False)
-    straight = _weights(model)
+    straight = weights_of(model)
 
     real, calls = blockwise._block_loss, {"n": 0, "block1": 0}
     blocks = model.get_submodule(units.blocks_path)
@@ -120,7 +104,7 @@ def test_interrupted_block_wise_qad_resumes_in_its_block(family_models, tmp_path
                 raise KeyboardInterrupt
         return real(block, item, target)
 
-    model, units, schemes, windows, _ = _setup(path)
+    model, units, schemes, windows, _ = mixed_plan_setup(path)
     blocks = model.get_submodule(units.blocks_path)
     monkeypatch.setattr(blockwise, "_block_loss", interrupting)
     with pytest.raises(KeyboardInterrupt):
@@ -129,13 +113,13 @@ def test_interrupted_block_wise_qad_resumes_in_its_block(family_models, tmp_path
     monkeypatch.setattr(blockwise, "_block_loss", real)
     assert (tmp_path / "block-000").is_dir() and (tmp_path / "block-001").is_dir()
 
-    model, units, schemes, windows, _ = _setup(path)
+    model, units, schemes, windows, _ = mixed_plan_setup(path)
     lines: list[str] = []
     distill(model, units, schemes, windows, settings, state_dir=tmp_path, key="k",
             progress=False, log=lines.append)
     assert any("block 0: resumed at step 8" in line for line in lines)  # finished
     assert any("block 1: resumed at step 4" in line for line in lines)  # its last save
-    resumed = _weights(model)
+    resumed = weights_of(model)
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
 
 

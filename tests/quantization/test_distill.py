@@ -9,35 +9,20 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fp4sense.diagnosis.units import find_units
 from fp4sense.quantization import qad_loop as qad
 from fp4sense.quantization.distill import DistillError, DistillSettings, distill
-
-
-def _setup(tiny_llama):
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
-    windows = torch.randint(0, 2000, (4, 48), generator=torch.Generator().manual_seed(1))
-    units = find_units(model, windows[:1, :16])
-    names = [u.name for u in units.units]
-    # a mixed plan: W4A4 NVFP4 with searched scales, W4A4 NVFP4, FP8, one unit left in BF16
-    schemes = {n: ("NVFP4_SEARCH", "NVFP4", "FP8_DYNAMIC")[i % 3] for i, n in enumerate(names)}
-    schemes[names[-1]] = "BF16"
-    return model, units, schemes, windows, names[-1]
-
-
-def _weights(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+from helpers import mixed_plan_setup, weights_of
 
 
 def test_qad_lowers_the_kl_and_leaves_bf16_units_alone(tiny_llama):
-    model, units, schemes, windows, bf16_unit = _setup(tiny_llama)
-    before = _weights(model)
+    model, units, schemes, windows, bf16_unit = mixed_plan_setup(tiny_llama)
+    before = weights_of(model)
     record = distill(model, units, schemes, windows,
                      DistillSettings(steps=12, lr=3e-5, windows=4, holdout=0, check_every=4,
                                      save_every=4, rescale_every=4), progress=False)
     assert record["loss_after"] < record["loss_before"]
     assert len(record["history"]["loss"]) == 12 and not record["rollbacks"]
-    after = _weights(model)
+    after = weights_of(model)
     assert list(after) == list(before)  # no parametrization left behind
     frozen = {f"{m}.weight" for m in units.by_name()[bf16_unit].modules}
     for key, value in before.items():
@@ -50,7 +35,7 @@ def test_qad_lowers_the_kl_and_leaves_bf16_units_alone(tiny_llama):
 def test_qad_rolls_back_a_diverging_run(tiny_llama):
     """A learning rate that makes the loss explode: back to the best state, half the rate,
     said in the log and the record; the weights end finite."""
-    model, units, schemes, windows, _ = _setup(tiny_llama)
+    model, units, schemes, windows, _ = mixed_plan_setup(tiny_llama)
     lines: list[str] = []
     record = distill(model, units, schemes, windows,
                      DistillSettings(steps=12, lr=3.0, windows=4, holdout=0, check_every=2,
@@ -65,11 +50,11 @@ def test_qad_rolls_back_a_diverging_run(tiny_llama):
 def test_interrupted_qad_resumes_to_the_same_weights(tiny_llama, tmp_path, monkeypatch):
     settings = DistillSettings(steps=8, lr=1e-3, lr_4bit=2.0, windows=4, holdout=0, check_every=2,
                                save_every=4, rescale_every=3)  # two parameter groups
-    model, units, schemes, windows, _ = _setup(tiny_llama)
+    model, units, schemes, windows, _ = mixed_plan_setup(tiny_llama)
     distill(model, units, schemes, windows, settings, progress=False)
-    straight = _weights(model)
+    straight = weights_of(model)
 
-    model, units, schemes, windows, _ = _setup(tiny_llama)
+    model, units, schemes, windows, _ = mixed_plan_setup(tiny_llama)
     real_kl, calls = qad._kl, {"n": 0}
 
     def interrupting(*args):
@@ -84,12 +69,12 @@ def test_interrupted_qad_resumes_to_the_same_weights(tiny_llama, tmp_path, monke
                 progress=False)
     assert (tmp_path / qad.STATE_FILE).is_file()
     monkeypatch.setattr(qad, "_kl", real_kl)
-    model, units, schemes, windows, _ = _setup(tiny_llama)
+    model, units, schemes, windows, _ = mixed_plan_setup(tiny_llama)
     lines: list[str] = []
     distill(model, units, schemes, windows, settings, state_dir=tmp_path, key="k",
             progress=False, log=lines.append)
     assert any("resumed at step 4" in line for line in lines)
-    resumed = _weights(model)
+    resumed = weights_of(model)
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
 
 
@@ -105,15 +90,15 @@ def test_the_4bit_factor_scales_only_the_4bit_units_learning_rate(tiny_llama):
     """lr_4bit multiplies the learning rate of the linears with 4-bit weights only: at a
     base rate of 1e-12 (an AdamW step moves a weight by about the rate) the NVFP4 units
     train at 3e-5 and the FP8 units move by no more than rounding of the 1e-12 steps."""
-    model, units, schemes, windows, _ = _setup(tiny_llama)
-    before = _weights(model)
+    model, units, schemes, windows, _ = mixed_plan_setup(tiny_llama)
+    before = weights_of(model)
     record = distill(model, units, schemes, windows,
                      DistillSettings(steps=12, lr=1e-12, lr_4bit=3e7, windows=4, holdout=0,
                                      check_every=4, save_every=4, rescale_every=4),
                      progress=False)
     assert record["settings"]["lr_4bit"] == 3e7 and not record["rollbacks"]
     assert record["loss_after"] < record["loss_before"]
-    after = _weights(model)
+    after = weights_of(model)
     by_name = units.by_name()
     for unit, scheme in schemes.items():
         keys = [f"{m}.weight" for m in by_name[unit].modules]
@@ -128,7 +113,7 @@ def test_held_out_windows_choose_the_state_the_run_ends_on(tiny_llama):
     """With held-out windows the run ends on the checked state with the lowest KL on them:
     never worse there than it began, and a run that only hurts them (a learning rate far
     too high) leaves the weights exactly as they were."""
-    model, units, schemes, windows, _ = _setup(tiny_llama)
+    model, units, schemes, windows, _ = mixed_plan_setup(tiny_llama)
     lines: list[str] = []
     record = distill(model, units, schemes, windows,
                      DistillSettings(steps=12, lr=3e-5, windows=3, holdout=1, check_every=4,
@@ -139,20 +124,20 @@ def test_held_out_windows_choose_the_state_the_run_ends_on(tiny_llama):
     assert held["step"] in (0, 4, 8, 12) and held["after"] <= held["before"]
     assert any("held-out windows" in line for line in lines)
 
-    model, units, schemes, windows, _ = _setup(tiny_llama)
-    before = _weights(model)
+    model, units, schemes, windows, _ = mixed_plan_setup(tiny_llama)
+    before = weights_of(model)
     record = distill(model, units, schemes, windows,
                      DistillSettings(steps=8, lr=3.0, windows=3, holdout=1, check_every=2,
                                      save_every=2), progress=False)
     assert record["holdout"]["step"] == 0 and record["rollbacks"]
-    assert all(torch.equal(v, before[k]) for k, v in _weights(model).items())
+    assert all(torch.equal(v, before[k]) for k, v in weights_of(model).items())
     with pytest.raises(DistillError, match="hold out fewer"):
         distill(model, units, schemes, windows[:2],
                 DistillSettings(steps=2, windows=3, holdout=2), progress=False)
 
 
 def test_a_plan_for_another_model_is_refused(tiny_llama):
-    model, units, schemes, windows, _ = _setup(tiny_llama)
+    model, units, schemes, windows, _ = mixed_plan_setup(tiny_llama)
     with pytest.raises(DistillError, match="does not have"):
         distill(model, units, {"model.layers.9.mlp.down_proj": "NVFP4"}, windows,
                 DistillSettings(steps=2, holdout=0), progress=False)
