@@ -3,10 +3,10 @@ session (the bundled model, its calibration and evaluation windows, a cached est
 judge of unit -> scheme assignments, peak memory, the command that reproduces a result,
 and verify-vllm over written checkpoints.
 
-The protocol (``../shared/docs/protocol.md`` in the project's working notes; docs/ for the
-figures): SmolLM2-135M in float32 on the CPU, 512-token windows, the estimate on the
-first 8 of 32 calibration windows, KL / PPL / top-1 on the first 16 evaluation windows of
-the held-out text, input scales and scale-search weights from the calibration text.
+The protocol (docs/protocol.md): SmolLM2-135M in float32 on the CPU, 512-token windows,
+the estimate on the first 8 of 32 calibration windows, KL / PPL / top-1 on the first 16
+evaluation windows of the held-out text, input scales and scale-search weights from the
+calibration text.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from fp4sense import defaults
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 
@@ -30,7 +32,8 @@ MENUS = {"W4A4": ["NVFP4", "FP8_DYNAMIC", "BF16"],
 #: 576 and 1536, take 16-, 32- and 64-wide rotations, not 128: 576 = 64 x 9)
 ROTATED_MENUS = {"W4A4+H": ["NVFP4", "NVFP4_H16", "NVFP4_H64", "FP8_DYNAMIC", "BF16"],
                  "MX+H": ["MXFP4", "MXFP4_H32", "MXFP4_H64", "FP8_DYNAMIC", "BF16"]}
-CALIB_WINDOWS, ESTIMATE_WINDOWS, EVAL_WINDOWS, WINDOW_TOKENS = 32, 8, 16, 512
+CALIB_WINDOWS, ESTIMATE_WINDOWS = defaults.CALIB_WINDOWS, defaults.ANALYSIS_WINDOWS
+EVAL_WINDOWS, WINDOW_TOKENS = defaults.EVAL_WINDOWS, defaults.WINDOW_TOKENS
 
 
 def menu(name: str) -> list[str]:
@@ -75,11 +78,6 @@ def peak_rss_gib() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def results_path(name: str) -> Path:
-    RESULTS.mkdir(exist_ok=True)
-    return RESULTS / name
 
 
 def relative(folder: Path) -> str:
