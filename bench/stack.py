@@ -13,8 +13,9 @@ the checkpoints'; bits from the plan's accounting, which equals the written byte
 written as real checkpoints by `fp4sense quantize` (searched twins on) and evaluated
 from disk (bits measured from the files): plan + GPTQ and plan + GPTQ + QAD at the
 target budget of each of ``--checkpoint-menus`` (or at each of ``--checkpoint-budgets``),
-and uniform NVFP4 + QAD at 4.5 bits. `bench/stack_table.py` merges the results into one
-table per menu, method by budget.
+and uniform NVFP4 + QAD at 4.5 bits; with ``--rounding-checkpoints`` also the uniform
+and plan rows without GPTQ or QAD (RTN, searched scales), selected with ``--only``.
+`bench/stack_table.py` merges the results into one table per menu, method by budget.
 The same run times a plain llm-compressor NVFP4 oneshot on the same calibration data (the
 baseline of the time target) and runs `fp4sense verify-vllm` on every written checkpoint
 (``--verify``).
@@ -67,6 +68,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              "publish the others finished before")
     parser.add_argument("--checkpoints-only", action="store_true",
                         help="skip the in-memory rows (an experiment on written rows only)")
+    parser.add_argument("--rounding-checkpoints", action="store_true",
+                        help="also write the uniform and plan rows without GPTQ or QAD (RTN, "
+                             "searched scales) as checkpoints; select them with --only")
     parser.add_argument("--cached-only", action="store_true",
                         help="publish (and verify) the rows finished before; write no new one")
 
@@ -133,6 +137,15 @@ def run(args: argparse.Namespace) -> int:
                        if args.checkpoint_budgets else [TARGETS[name][0]])]
     qad = "block QAD" if args.qad_mode == "block" else "QAD"
     runs = [(n, "plan + GPTQ", dict(budget_bits=b, menu=m, gptq=True)) for n, m, b in plans]
+    if args.rounding_checkpoints:  # the rows without GPTQ or QAD, written (issue 34)
+        chosen = args.checkpoint_menus.split(",")
+        runs += [row for n, m in menus.items() if n in chosen for row in (
+            (n, "uniform RTN", dict(budget_bits=16.0, menu=[m[0]], scale_search=False)),
+            (n, "uniform + searched scales", dict(budget_bits=16.0, menu=[f"{m[0]}_SEARCH"],
+                                                  scale_search=False)))]
+        runs += [row for n, m, b in plans for row in (
+            (n, "plan RTN", dict(budget_bits=b, menu=m, scale_search=False)),
+            (n, "plan + searched scales", dict(budget_bits=b, menu=m)))]
     if "W4A4" in args.checkpoint_menus.split(","):  # the menu's top: uniform NVFP4
         runs.append(("W4A4", f"uniform + {qad}", dict(budget_bits=16.0, menu=["NVFP4"],
                                                       qad=True)))
@@ -180,8 +193,9 @@ def publish(result: dict, out: Path) -> None:
 
 
 def checkpoint(key, folder, calib, report_path, args, *, budget_bits, menu, gptq=False,
-               qad=False, own_analysis=False) -> dict:
-    """`fp4sense quantize` (searched-scale twins on), evaluated from disk."""
+               qad=False, own_analysis=False, scale_search=True) -> dict:
+    """`fp4sense quantize` (searched-scale twins on unless ``scale_search`` is False),
+    evaluated from disk."""
     from fp4sense.api import quantize_model
     from fp4sense.quantization.distill import DistillSettings
 
@@ -192,6 +206,7 @@ def checkpoint(key, folder, calib, report_path, args, *, budget_bits, menu, gptq
     result = quantize_model(None, out_dir=folder, budget_bits=budget_bits, menu=menu,
                             sensitivity=None if own_analysis else report_path,
                             gptq=gptq, distill=distill, calib_windows=len(calib),
+                            scale_search=scale_search,
                             eval_windows=16, overwrite=True, progress=False, log=print)
     wall = time.perf_counter() - t
     e, timings = result["eval"], result["timings"]

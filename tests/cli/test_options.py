@@ -188,6 +188,85 @@ def test_window_defaults_are_the_definitions_everywhere():
                                                     defaults.WINDOW_TOKENS)
     parser = build_parser()
     args = parser.parse_args(["quantize", "--budget", "5", "--out", "x"])
-    assert (args.menu, args.calib_windows, args.windows, args.eval_windows, args.tokens) == (
+    assert (args.menu, args.calib_windows, args.estimate_windows, args.eval_windows,
+            args.window_tokens) == (
         ",".join(defaults.MENU), defaults.CALIB_WINDOWS, defaults.ANALYSIS_WINDOWS,
         defaults.EVAL_WINDOWS, defaults.WINDOW_TOKENS)
+
+
+#: each table's function, and its keywords that are no flag of the table (the positional
+#: argument, the text's two flags, QAD's own definition, what --json decides)
+TABLES = {"QUANTIZE": ("quantize_model", {"model", "text", "distill", "progress", "log"}),
+          "ANALYZE": ("analyze_model", {"model", "text", "progress", "log"}),
+          "EVAL": ("evaluate_checkpoint", {"checkpoint", "text", "progress", "log"})}
+
+
+@pytest.mark.parametrize("table", sorted(TABLES))
+def test_the_option_table_is_the_functions_signature(table):
+    """Every keyword of the function is in its option table (or named above as the
+    command line's own), and every option's default is the function's."""
+    from fp4sense import api, options
+
+    function, own = TABLES[table]
+    signature = _signature_defaults(getattr(api, function))
+    rows = getattr(options, table)
+    keywords = [o.keyword for o in rows]
+    assert len(keywords) == len(set(keywords)), "an option defined twice"
+    import inspect
+
+    every = set(inspect.signature(getattr(api, function)).parameters)
+    assert set(keywords) | own == every, (set(keywords) | own) ^ every
+    for option in rows:
+        if not option.required:
+            assert option.default == signature[option.keyword], option.keyword
+
+
+@pytest.mark.parametrize("command,table", [("quantize", "QUANTIZE"), ("analyze", "ANALYZE"),
+                                           ("eval", "EVAL")])
+def test_the_flags_are_generated_from_the_table(command, table):
+    """Each option's flag exists with the table's help, default and type; the flags
+    with no value say the function's default by being absent."""
+    import argparse
+
+    from fp4sense import options
+    from fp4sense.cli import COMMANDS
+
+    parser = argparse.ArgumentParser()
+    COMMANDS[command][1](parser)
+    actions = {a.option_strings[0]: a for a in parser._actions if a.option_strings}
+    for option in getattr(options, table):
+        action = actions[option.flag]
+        assert action.dest == option.keyword and option.help in action.help, option.flag
+        if option.switch:
+            assert action.default == option.default and action.nargs == 0, option.flag
+        elif option.group is None and not option.required:
+            assert action.default == option.shown and action.type is option.parse
+
+
+@pytest.mark.parametrize("function,keyword,bad", [
+    ("quantize_model", "calib_windows", 0), ("quantize_model", "budget_bits", -1.0),
+    ("quantize_model", "select_plans", 1.5), ("quantize_model", "eval_windows", "8"),
+    ("analyze_model", "n_windows", 0), ("analyze_model", "window_tokens", True),
+    ("evaluate_checkpoint", "n_windows", -2)])
+def test_the_functions_refuse_what_the_flags_refuse(function, keyword, bad, tmp_path):
+    """A keyword out of range is one InputError naming it, before anything is read or
+    written (the flags' parser checks it; the same check runs on the function's value)."""
+    from fp4sense import api
+    from fp4sense.validate import InputError
+
+    given = {"quantize_model": dict(out_dir=tmp_path / "out", budget_bits=5.0),
+             "analyze_model": dict(out_dir=tmp_path / "out"),
+             "evaluate_checkpoint": dict(checkpoint=tmp_path / "missing")}[function]
+    with pytest.raises(InputError, match=rf"{function}\({keyword}="):
+        getattr(api, function)(**{**given, keyword: bad})
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_cli_reference_is_generated_from_the_parsers():
+    """docs/cli.md's option reference is what the parsers (built from the option table)
+    say: `python -m fp4sense.cli.reference` rewrites it after a change."""
+    from fp4sense.cli.reference import page_with_reference
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    assert page_with_reference(page) == page, "run: python -m fp4sense.cli.reference"
+    assert "`--distill-holdout N` | `4` |" in page and "| `--menu MENU` | `NVFP4," in page

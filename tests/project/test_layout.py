@@ -31,8 +31,10 @@ def test_no_module_over_the_size_limit():
 def test_top_level_holds_only_front_doors_and_edges():
     top = sorted(p.name for p in SRC.glob("*.py"))
     # the front doors (api, __main__) and what they share without importing a stage:
-    # validate (flag checks, UserError) and defaults (the options' shared defaults)
-    assert top == ["__init__.py", "__main__.py", "api.py", "defaults.py", "validate.py"]
+    # validate (flag checks, UserError), defaults (the shared default values) and
+    # options (every option of analyze, quantize and eval, defined once)
+    assert top == ["__init__.py", "__main__.py", "api.py", "defaults.py", "options.py",
+                   "validate.py"]
 
 
 #: 0.4's module paths (aliases in 0.5, announced for removal in 0.6)

@@ -1,44 +1,23 @@
 """The arguments of each ``fp4sense`` command: one function per command adds them to a
 parser, so that every front door (``fp4sense``, ``optimum-cli fp4sense``) takes the same
-flags; values are typed and ranged here (:mod:`fp4sense.validate`)."""
+flags. The flags of analyze, quantize and eval are generated from their options' one
+definition (:mod:`fp4sense.options`), QAD's from ``DistillSettings``; values are typed
+and ranged by :mod:`fp4sense.validate`'s parsers."""
 
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
-from fp4sense import defaults
+from fp4sense import options
 from fp4sense.quantization.distill_settings import MODES, cli_options
 from fp4sense.validate import (
-    block_list,
-    device_name,
     non_empty,
     non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
 )
-
-
-def pins_of(values: list[str] | None) -> dict[str, str] | None:
-    """``--pin UNIT_OR_REGEX=SCHEME`` values -> {pattern: scheme}, each regex compiled;
-    None without any (the API's default)."""
-    pins = {}
-    for item in values or []:
-        pattern, sep, scheme = item.rpartition("=")
-        if not sep or not pattern:
-            raise ValueError(f"--pin {item!r}: write UNIT_OR_REGEX=SCHEME, e.g. "
-                             "'.*layers\\.0\\..*=BF16'")
-        try:
-            re.compile(pattern.removeprefix("re:"))
-        except re.error as exc:
-            raise ValueError(f"--pin {item!r}: {pattern!r} is not a valid regular expression "
-                             f"({exc}); escape dots and brackets, or name a unit such as "
-                             "'3:mlp.down_proj'") from None
-        pins[pattern] = scheme
-    return pins or None
-
 
 #: how the command line types each QAD setting it offers (names, defaults and help come
 #: from the one definition, DistillSettings: :func:`_add_distill`)
@@ -79,25 +58,6 @@ def text_source(args: argparse.Namespace) -> str | None:
     return f"dataset:{args.dataset}" if args.dataset else args.text
 
 
-def _add_windows(p: argparse.ArgumentParser, default: int, what: str) -> None:
-    p.add_argument("--windows", type=positive_int, default=default,
-                   help=f"{what} (default {default})")
-    p.add_argument("--tokens", type=positive_int, default=defaults.WINDOW_TOKENS,
-                   help=f"tokens per window (default {defaults.WINDOW_TOKENS})")
-    p.add_argument("--raw-windows", action="store_true",
-                   help="windows of text tokens only: without the BOS (or prefix) the "
-                   "tokenizer starts a sequence with, which windows otherwise begin with")
-
-
-def _add_placement(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", type=device_name, default="cpu",
-                   help="auto, cpu, cuda or cuda:N (default cpu; auto: this rank's GPU when "
-                   "there is one)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="compute dtype, for quantize also the oneshot's calibration "
-                   "(default: float32 on the CPU, as the protocol; bfloat16 on a GPU)")
-
-
 def _add_json(p: argparse.ArgumentParser, what: str = "print the result as JSON") -> None:
     p.add_argument("--json", action="store_true", help=what)
 
@@ -116,85 +76,24 @@ def convert_gguf_args(p: argparse.ArgumentParser) -> None:
 
 def analyze_args(p: argparse.ArgumentParser) -> None:
     _add_model_and_text(p, "analysis text file (default: protocol calibration split)")
-    p.add_argument("--schemes", type=non_empty, default="NVFP4,MXFP4",
-                   help="comma-separated schemes of the menu (see `fp4sense schemes`)")
-    p.add_argument("--views", type=non_empty, default="component,block",
-                   help="comma-separated views: component, block, grid, experts (MoE: "
-                   "each expert alone; best with --mode estimated)")
-    p.add_argument("--mode", choices=["measured", "estimated", "both"], default="measured",
-                   help="measured (isolation runs), estimated (one Fisher pass), or both")
-    p.add_argument("--grid-blocks", type=block_list, default=None,
-                   help="measure the grid only for these blocks (comma-separated; '' for "
-                   "none, the estimate alone; default: all)")
-    _add_windows(p, defaults.ANALYSIS_WINDOWS, "analysis windows")
-    p.add_argument("--out", type=Path, default=Path("fp4sense-analysis"),
-                   help="output folder (sensitivity.json, report.md, plots)")
-    p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--offload-dir", type=Path, default=None,
-                   help="keep decoder blocks on disk here, one in memory at a time (a copy; "
-                   "--low-memory reads the model's own files instead)")
-    p.add_argument("--low-memory", action="store_true",
-                   help="hold one decoder block's weights at a time, read from the model's "
-                   "safetensors files when it runs (models larger than memory)")
-    _add_placement(p)
+    options.add(p, options.ANALYZE)
     _add_json(p, "print a JSON summary")
 
 
 def quantize_args(p: argparse.ArgumentParser) -> None:
     _add_model_and_text(p, "calibration text file (default: protocol calibration split)")
-    goal = p.add_mutually_exclusive_group(required=True)
-    goal.add_argument("--budget", type=positive_float,
-                      help="average bits per weight, e.g. 4.75")
-    goal.add_argument("--budget-bytes", type=positive_int, help="bytes of the decoder linears")
-    goal.add_argument("--kl-target", type=positive_float,
-                      help="fewest bits with predicted KL below")
-    p.add_argument("--out", type=Path, required=True, help="checkpoint folder to write")
-    p.add_argument("--menu", type=non_empty, default=",".join(defaults.MENU),
-                   help="schemes units may get")
-    p.add_argument("--sensitivity", type=Path, default=None,
-                   help="a saved sensitivity.json (default: estimate it now)")
-    p.add_argument("--sensitivity-mode", choices=["measured", "estimated"], default=None,
-                   help="which grid of the report to plan with")
-    p.add_argument("--pin", action="append", metavar="UNIT_OR_REGEX=SCHEME",
-                   help="force units to a scheme (repeatable)")
-    p.add_argument("--gptq", action="store_true", help="round weights with GPTQ after planning")
-    p.add_argument("--gptq-scores", action="store_true",
-                   help="with --gptq: score the units after GPTQ, not after round-to-nearest "
-                        "(one more GPTQ oneshot per quantizing scheme of the menu, before "
-                        "planning; units GPTQ repairs well then cost fewer bits)")
+    table = options.QUANTIZE
+    at = next(i for i, o in enumerate(table) if o.keyword == "scale_search")
+    options.add(p, table[:at])
     _add_distill(p)
-    p.add_argument("--no-scale-search", action="store_true",
-                   help="plan without the searched-scale twins of the FP4 menu schemes "
-                        "(NVFP4 -> NVFP4_SEARCH, used by default where they score lower)")
-    p.add_argument("--select-plans", type=positive_int, default=1, metavar="K",
-                   help="measure the K best plans by prediction on calibration windows the "
-                        "estimate did not use and keep the lowest (default 1: no measuring)")
-    p.add_argument("--base-model-id", default=None, metavar="ORG/NAME",
-                   help="the base model's Hub id, for the model card's lineage (default: "
-                        "derived where certain: a hub id, a Hugging Face cache folder)")
-    p.add_argument("--calib-windows", type=positive_int, default=defaults.CALIB_WINDOWS,
-                   help="calibration windows")
-    _add_windows(p, defaults.ANALYSIS_WINDOWS,
-                 "windows for the sensitivity estimate (the first calibration ones)")
-    p.add_argument("--eval-windows", type=positive_int, default=defaults.EVAL_WINDOWS,
-                   help="evaluation windows for the model card's figures")
-    p.add_argument("--no-eval", action="store_true", help="skip the evaluation for the card")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    p.add_argument("--low-memory", action="store_true",
-                   help="estimate with one decoder block's weights in memory at a time")
-    _add_placement(p)
+    options.add(p, table[at:])
     _add_json(p)
 
 
 def eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", type=Path, help="compressed-tensors checkpoint folder")
-    p.add_argument("--base", default=None, help="unquantized model (default: as recorded)")
     _add_text(p, "evaluation text file (default: protocol evaluation split)")
-    _add_windows(p, defaults.EVAL_WINDOWS, "evaluation windows")
-    p.add_argument("--as-served", action="store_true",
-                   help="compute MXFP4A16 layers as W4A4, as vLLM serves them")
-    _add_placement(p)
+    options.add(p, options.EVAL)
     _add_json(p)
 
 
@@ -203,7 +102,7 @@ def verify_vllm_args(p: argparse.ArgumentParser) -> None:
                    help="compressed-tensors checkpoint folder(s); several share one vLLM "
                         "process")
     _add_text(p, "evaluation text file (default: protocol evaluation split)")
-    _add_windows(p, 2, "evaluation windows to score; tokens <= 512")
+    options.add(p, options.windows(2, "evaluation windows to score; tokens <= 512"))
     p.add_argument("--prompt", default="The President of the United States said that")
     p.add_argument("--serve-python", default=None, help="python of the vLLM environment")
     p.add_argument("--max-abs", type=non_negative_float, default=None,

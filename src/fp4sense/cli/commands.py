@@ -8,12 +8,11 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 
-from fp4sense import __version__
+from fp4sense import __version__, options
 from fp4sense.cli.arguments import (
     analyze_args,
     convert_gguf_args,
     eval_args,
-    pins_of,
     push_args,
     quantize_args,
     schemes_args,
@@ -94,9 +93,9 @@ def _cmd_verify_vllm(args: argparse.Namespace) -> int:
     windows = []
     for folder in args.checkpoint:
         check_checkpoint(folder)  # before the tokenizer: a missing folder is one line
-        w = protocol_windows(checkpoint_tokenizer(folder), "evaluation", args.windows,
+        w = protocol_windows(checkpoint_tokenizer(folder), "evaluation", args.n_windows,
                              source=text_source(args), raw=args.raw_windows)
-        windows.append(w[:, : args.tokens])
+        windows.append(w[:, : args.window_tokens])
     limits = (args.max_abs, args.mean_abs, args.ppl_rel)
     tolerance = None if all(v is None for v in limits) else Tolerance(
         *(math.inf if v is None else v for v in limits))
@@ -123,25 +122,15 @@ def _cmd_verify_vllm(args: argparse.Namespace) -> int:
     return EXIT_OK if all(r.passed for r in results) else EXIT_VERIFY_FAILED
 
 
-def _csv(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
-
-
 def _cmd_analyze(args: argparse.Namespace) -> int:
     from fp4sense.validate import check_analysis_output
 
-    check_analysis_output(args.out, not args.no_cache)  # before torch
+    check_analysis_output(args.out_dir, args.cache)  # before torch
     from fp4sense.api import analyze_model
     from fp4sense.reports.analysis import findings
 
-    modes = ["measured", "estimated"] if args.mode == "both" else [args.mode]
     report = analyze_model(
-        args.model, text=text_source(args), schemes=_csv(args.schemes), views=_csv(args.views),
-        modes=modes, n_windows=args.windows, window_tokens=args.tokens,
-        raw_windows=args.raw_windows, grid_blocks=args.grid_blocks,
-        out_dir=args.out, cache=not args.no_cache, plots=not args.no_plots,
-        offload_dir=args.offload_dir, low_memory=args.low_memory, device=args.device,
-        dtype=args.dtype,
+        args.model, text=text_source(args), **options.keywords(args, options.ANALYZE),
         progress=not args.json,
         log=(lambda msg: print(msg, file=sys.stderr)) if args.json else print,
     )
@@ -150,7 +139,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     if not distributed.is_main():  # rank 0 speaks for a torchrun launch
         return EXIT_OK
     if args.json:
-        _emit_json({"out": str(args.out), "base_ppl": report.base_ppl,
+        _emit_json({"out": str(args.out_dir), "base_ppl": report.base_ppl,
                     "cost": report.cost, "correlations": report.correlations,
                     "findings": findings(report),
                     "unaccounted_weights": report.units.unaccounted,
@@ -175,20 +164,12 @@ def _distill_settings(args: argparse.Namespace):
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from fp4sense.validate import check_quantize_output
 
-    check_quantize_output(args.model, args.out, overwrite=args.overwrite)  # before torch
+    check_quantize_output(args.model, args.out_dir, overwrite=args.overwrite)  # before torch
     from fp4sense.api import quantize_model
 
     result = quantize_model(
-        args.model, out_dir=args.out, budget_bits=args.budget, budget_bytes=args.budget_bytes,
-        kl_target=args.kl_target, menu=_csv(args.menu), sensitivity=args.sensitivity,
-        sensitivity_mode=args.sensitivity_mode, pins=pins_of(args.pin), gptq=args.gptq,
-        gptq_scores=args.gptq_scores, scale_search=not args.no_scale_search,
-        distill=_distill_settings(args), text=text_source(args),
-        calib_windows=args.calib_windows, estimate_windows=args.windows,
-        window_tokens=args.tokens, raw_windows=args.raw_windows, evaluate=not args.no_eval,
-        eval_windows=args.eval_windows, overwrite=args.overwrite,
-        base_model_id=args.base_model_id, select_plans=args.select_plans,
-        device=args.device, dtype=args.dtype, low_memory=args.low_memory, progress=not args.json,
+        args.model, **options.keywords(args, options.QUANTIZE),
+        distill=_distill_settings(args), text=text_source(args), progress=not args.json,
         log=(lambda msg: print(msg, file=sys.stderr)) if args.json else print,
     )
     if "rank" in result:  # another rank of a torchrun launch: rank 0 speaks for the run
@@ -209,10 +190,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from fp4sense.api import evaluate_checkpoint
 
-    r = evaluate_checkpoint(args.checkpoint, base=args.base, text=text_source(args),
-                            n_windows=args.windows, window_tokens=args.tokens,
-                            raw_windows=args.raw_windows, as_served=args.as_served,
-                            device=args.device, dtype=args.dtype, progress=not args.json)
+    r = evaluate_checkpoint(args.checkpoint, text=text_source(args),
+                            **options.keywords(args, options.EVAL), progress=not args.json)
     if args.json:
         _emit_json(r)
         return EXIT_OK

@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from fp4sense import defaults
+from fp4sense import defaults, options
 from fp4sense.diagnosis.offload import check_offload_dir
 from fp4sense.diagnosis.results import SensitivityReport
 from fp4sense.diagnosis.views import analyze, check_request
@@ -56,6 +56,7 @@ def analyze_model(
     (``offload_dir`` does the same from copies, for models whose files cannot be read
     so). ``raw_windows``: windows of text tokens only, without the tokens the tokenizer
     starts a sequence with (:func:`fp4sense.inputs.texts.make_windows`)."""
+    options.check(options.ANALYZE, locals(), "analyze_model")  # as the flags are
     schemes = check_request(schemes, views, modes)  # bad input fails before loading
     placement = resolve(device, dtype, log=log)
     cache_folder = check_analysis_output(out_dir, cache)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from fp4sense import defaults
+from fp4sense import defaults, options
 from fp4sense.checkpoint.checks import check_checkpoint, checkpoint_tokenizer, effective_bits
 from fp4sense.checkpoint.loading import load_checkpoint
 from fp4sense.diagnosis.units import model_fingerprint
@@ -49,7 +49,7 @@ def evaluate_checkpoint(
     The result names the checkpoint, base and text by name (Hub id, folder or file name),
     as files that may be shared do, never by their paths on this machine.
     """
-
+    options.check(options.EVAL, locals(), "evaluate_checkpoint")  # as the flags are
     placement = resolve(device, dtype, log=log)
     folder = Path(checkpoint)
     check_checkpoint(folder)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-from fp4sense import defaults
+from fp4sense import defaults, options
 from fp4sense.quantization.distill_settings import DistillSettings
 from fp4sense.quantization.request import QuantizeRequest
 from fp4sense.quantization.run import QuantizeResult, QuantizeRun
@@ -99,6 +99,7 @@ def quantize_model(
     rank 0. ``gptq_scores``: rank 0 rounds before the ranks meet (the others wait at the
     meeting, up to ``FP4SENSE_RANK_TIMEOUT``), then every rank's estimate reads its files.
     """
+    options.check(options.QUANTIZE, locals(), "quantize_model")  # as the flags are
     request = QuantizeRequest.parse(
         model, out_dir=out_dir, budget_bits=budget_bits, budget_bytes=budget_bytes,
         kl_target=kl_target, menu=menu, sensitivity=sensitivity,
