@@ -8,11 +8,14 @@ the fix. Nothing is computed when the output cannot be written.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import os
 import re
 import shutil
 import socket
+import tempfile
+import time
 from pathlib import Path
 
 __all__ = ["EXIT_ASSET_ERROR", "EXIT_HUB_ERROR", "EXIT_USER_ERROR", "InputError", "UserError",
@@ -190,8 +193,6 @@ def claim_output(out: Path) -> None:
     ``--out`` stops at once in one line naming the running one. Under torchrun only the
     launch's rank 0 (the one that writes) claims it."""
     import fcntl
-    import hashlib
-    import time
 
     from fp4sense.inputs.assets import cache_dir
 
@@ -227,8 +228,6 @@ def publish_folder(work: Path, out: Path) -> None:
     """Replace ``out`` by the finished ``work`` folder in one rename (an earlier ``out``,
     with ``--overwrite``, is moved aside first and removed after); the owner mark goes
     first, so the published folder holds only the checkpoint's files."""
-    import tempfile
-
     (Path(work) / _OWNER).unlink(missing_ok=True)
     if out.exists():
         trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))

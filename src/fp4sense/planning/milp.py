@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 from compressed_tensors.utils.match import match_name
+from scipy.optimize import Bounds, LinearConstraint, milp
 
 from fp4sense import __version__, defaults
 from fp4sense.diagnosis import SensitivityReport
@@ -247,8 +248,6 @@ def solve(
     :param exclude: assignments (unit -> scheme) the plan must differ from, so repeated
         calls give the next best plans (:func:`fp4sense.planning.select.best_plans`).
     """
-    from scipy.optimize import Bounds, LinearConstraint, milp
-
     objectives = [x is not None for x in (budget_bits, budget_bytes, kl_target)]
     if sum(objectives) != 1:
         raise PlanError("give exactly one of budget_bits, budget_bytes, kl_target")

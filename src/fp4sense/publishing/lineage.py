@@ -11,6 +11,7 @@ checkpoint's plan.json, never in the folder (``hf upload`` sends hidden files to
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -98,8 +99,6 @@ def _record_file(folder: Path) -> Path | None:
     """Where this machine keeps ``folder``'s local record: the fp4sense cache, under the
     hash of the checkpoint's plan.json and the folder's inode (a rename or ``mv`` keeps
     both; two checkpoints with the same plan, from two copies of a base, stay apart)."""
-    import hashlib
-
     from fp4sense.inputs.assets import cache_dir
 
     plan = Path(folder) / "plan.json"

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from fp4sense.diagnosis.blockio import hidden, hidden_input, moved, uncached, with_hidden_input
 from fp4sense.quantization.qad_loop import _held_loss, _kl, _mean_loss, train
@@ -108,8 +109,6 @@ def train_blocks(model, units, trained, targets: BlockTargets, data, teacher,
     :param data: (n, T) window ids, the last ``settings.holdout`` held out; ``teacher``
         their base log-probs
     """
-    from tqdm.auto import tqdm
-
     blocks = model.get_submodule(units.blocks_path)
     n = len(data) - settings.holdout
     judged = ((data[n:], teacher[n:]) if settings.holdout else (data[:4], teacher[:4]))

@@ -44,6 +44,7 @@ an interrupt (same model, plan and settings; seeded: it ends where an uninterrup
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from collections.abc import Callable
@@ -274,8 +275,6 @@ def _base_pass(model, data, modules, names, blocks=None):
 def record_training(plan, work: Path, text: str) -> None:
     """The QAD record the oneshot wrote in ``work``: the text named (``text``), curves
     (distill.png), summary in ``plan.training`` (plan.json rewritten with it)."""
-    import json
-
     from fp4sense.reports.plots import plot_training
 
     record = json.loads((work / "distill.json").read_text())

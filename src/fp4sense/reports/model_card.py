@@ -4,6 +4,7 @@ and how to serve and reproduce it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -214,8 +215,6 @@ def _experts_lines(folder: Path, plan) -> list[str]:
              "weight (the experts it is routed to). Routers stay in 16 bits."]
     saved = folder / "sensitivity.json"
     if saved.is_file():
-        import json
-
         from fp4sense.reports.moe import LOW_COVERAGE, low_coverage
 
         few = low_coverage(json.loads(saved.read_text()).get("routing", {}))

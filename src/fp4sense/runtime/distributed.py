@@ -11,11 +11,13 @@ most :data:`COLLECTIVE_TIMEOUT_S` before it fails with one line.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 
 from fp4sense.validate import UserError
 
@@ -39,8 +41,6 @@ class RankError(UserError, RuntimeError):
 def init_from_env(device: torch.device, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> bool:
     """Join the process group torchrun describes (``WORLD_SIZE`` > 1); True when this
     process is one of several ranks. On GPUs each rank works on its own (``LOCAL_RANK``)."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size() > 1
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
@@ -60,8 +60,6 @@ def leave(code: int = 0) -> None:
     """Leave the process group at the end of a command (no-op outside torchrun). After a
     peer died the group's threads cannot be joined (a normal exit would abort in
     C++), so the process ends here with ``code``, its output flushed."""
-    import sys
-
     if _broken:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -72,27 +70,19 @@ def leave(code: int = 0) -> None:
 def disband() -> None:
     """Leave the process group once the ranks' shared work is done (every rank calls it
     after the last collective); the process goes on alone, as outside torchrun."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
 def _active() -> bool:
-    import torch.distributed as dist
-
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def rank() -> int:
-    import torch.distributed as dist
-
     return dist.get_rank() if _active() else 0
 
 
 def world_size() -> int:
-    import torch.distributed as dist
-
     return dist.get_world_size() if _active() else 1
 
 
@@ -115,8 +105,6 @@ def gather(obj: T) -> list[T]:
     """Every rank's ``obj``, in rank order (a one-element list outside torchrun)."""
     if not _active():
         return [obj]
-    import torch.distributed as dist
-
     out: list = [None] * dist.get_world_size()
     try:
         dist.all_gather_object(out, obj)

@@ -4,6 +4,8 @@ machine does not have it."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import os
 from pathlib import Path
 
@@ -79,9 +81,6 @@ def _libc():
     """glibc through ctypes, or False where the C library is another."""
     global _LIBC
     if _LIBC is None:
-        import ctypes
-        import ctypes.util
-
         try:
             _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             _LIBC.malloc_trim  # noqa: B018 - glibc only
