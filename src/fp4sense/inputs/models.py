@@ -10,10 +10,15 @@ import os
 from pathlib import Path
 
 import torch
+from huggingface_hub import snapshot_download
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from fp4sense import defaults
+from fp4sense.inputs.assets import ensure_model
+from fp4sense.inputs.texts import protocol_windows
+from fp4sense.publishing.lineage import is_hub_id
+from fp4sense.validate import InputError
 
 __all__ = ["BUNDLED_MODEL_NOTE", "DEFAULT_ANALYSIS_WINDOWS", "STORED_DTYPES", "analysis_windows",
            "load_model", "quantization_dtypes", "stored_dtype"]
@@ -48,12 +53,9 @@ def load_model(source: str | os.PathLike | None = None, dtype: torch.dtype = tor
     nothing is copied). Memory then holds one block, not the model. A model that cannot
     be read so is refused in one line ending with ``instead``: the caller's way out."""
 
-    from fp4sense.publishing.lineage import is_hub_id
-    from fp4sense.validate import InputError
 
     notes: list[str] = []
     if source is None:
-        from fp4sense.inputs.assets import ensure_model
 
         source = ensure_model(log=lambda msg: None)
         notes.append(BUNDLED_MODEL_NOTE)
@@ -103,7 +105,6 @@ def stored_dtype(source: str | os.PathLike) -> torch.dtype:
     its config (float32 where the config names none, as transformers then assumes).
     Refuses, in one line, a checkpoint that is already quantized or stores another dtype."""
 
-    from fp4sense.validate import InputError
 
     config = AutoConfig.from_pretrained(source)
     if getattr(config, "quantization_config", None):
@@ -133,7 +134,6 @@ def _weight_files(source) -> dict[str, Path]:
 
     folder = Path(source)
     if not folder.is_dir():
-        from huggingface_hub import snapshot_download
 
         folder = Path(snapshot_download(str(source), allow_patterns=["*.json",
                                                                       "*.safetensors"]))
@@ -181,7 +181,6 @@ def _load_without_blocks(source, dtype: torch.dtype, instead: str):
     from fp4sense.inputs.moe import fused_experts
 
     if fused_experts(model):
-        from fp4sense.validate import InputError
 
         raise InputError(f"model {str(source)!r} keeps its experts as 3-D parameters, which "
                          f"--low-memory cannot read block by block yet: {instead}")
@@ -214,7 +213,6 @@ def _attach_blocks(model, source, text: str, dtype: torch.dtype,
     first weight that is not in them, and the way out)."""
     from fp4sense.diagnosis.offload import BlockStore
     from fp4sense.diagnosis.units import find_blocks
-    from fp4sense.validate import InputError
 
     files = _weight_files(source)
     blocks_path, blocks = find_blocks(model)
@@ -232,7 +230,6 @@ def _attach_blocks(model, source, text: str, dtype: torch.dtype,
 
 def _check_finite(model: torch.nn.Module, source: str) -> None:
     """One line naming the modules whose weights hold NaN or Inf."""
-    from fp4sense.validate import InputError
 
     bad = [(name, int((~torch.isfinite(p)).sum())) for name, p in model.named_parameters()
            if p.is_floating_point() and not bool(torch.isfinite(p).all())]
@@ -250,6 +247,5 @@ def analysis_windows(tokenizer, text: str | os.PathLike | None = None, n_windows
     """Analysis windows: the protocol's calibration split, or ``text`` (a file path or
     ``dataset:NAME[:CONFIG][:SPLIT]``). Never the evaluation split. Each starts as the
     tokenizer starts a sequence, unless ``raw`` (:func:`fp4sense.inputs.texts.make_windows`)."""
-    from fp4sense.inputs.texts import protocol_windows
 
     return protocol_windows(tokenizer, "calibration", n_windows, text, window_tokens, raw)
