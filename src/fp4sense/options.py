@@ -20,6 +20,7 @@ Imports no torch.
 from __future__ import annotations
 
 import argparse
+import numbers
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -100,7 +101,7 @@ class Option:
         """The keyword's value, checked as the flag's text is (numbers: range and kind)."""
         if value is None or self.switch or self.parse not in _NUMBERS:
             return
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy too
             raise InputError(f"{function}({self.keyword}={value!r}): give a number")
         try:
             self.parse(str(value))

@@ -270,3 +270,13 @@ def test_the_cli_reference_is_generated_from_the_parsers():
     page = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
     assert page_with_reference(page) == page, "run: python -m fp4sense.cli.reference"
     assert "`--distill-holdout N` | `4` |" in page and "| `--menu MENU` | `NVFP4," in page
+
+
+def test_the_functions_take_numbers_of_any_kind_in_range():
+    """numpy's integers and floats pass the same checks as Python's."""
+    import numpy as np
+
+    from fp4sense import options
+
+    options.check(options.QUANTIZE, {"calib_windows": np.int64(4), "budget_bits": np.float32(5),
+                                     "select_plans": 2, "menu": ("NVFP4",)}, "quantize_model")
