@@ -11,7 +11,10 @@ Rows (each resumable: a finished row is kept in the results file and skipped):
 - ``menu``: `quantize` (estimate, plan, searched-scale twins, RTN or GPTQ) with the W4A4
   menu {NVFP4, FP8_DYNAMIC, BF16} with and without {NVFP4_H16, NVFP4_H64}, and the MX
   menu {MXFP4, FP8_DYNAMIC, BF16} with and without {MXFP4_H32, MXFP4_H64}, at the given
-  budgets (default 5.0 bits; MX 4.95).
+  budgets (default 5.0 bits; MX 4.95). With ``--gptq-scores``: GPTQ rows planned from the
+  scores after GPTQ (each quantizing scheme rounded by GPTQ once, a rotated one in its
+  rotated basis), for example with the menus taken as given ``W4A4+H16s`` {NVFP4_SEARCH,
+  NVFP4_H16_SEARCH, FP8_DYNAMIC, BF16} and ``MX+H32`` {MXFP4, MXFP4_H32, FP8_DYNAMIC, BF16}.
 
 Each row: measured bits (the transform matrices counted), KL ± SE, PPL, top-1, wall time;
 plans also the units they rotate and the online transforms' estimated cost per token
@@ -19,7 +22,7 @@ relative to all decoder linears (a dense block product: ``in * B`` multiply-adds
 rotated linear's input, shared by a fused group, against ``in * out`` for the linears).
 
     .venv/bin/python -m bench rotation [--parts uniform,menu] [--menus MX+H] [--budgets 5.0]
-        [--verify]
+        [--gptq-scores] [--verify]
 
 Results: bench/results/rotation.json and rotation.md (``--markdown`` rewrites the tables
 from the results so far). Run it alone (the oneshots compete for the cores).
@@ -41,7 +44,12 @@ OUT = RESULTS / "rotation.json"
 # SmolLM2's widths (576, 1536) take 16-, 32- and 64-wide rotations, not 128 (576 = 64 x 9)
 UNIFORM = ["NVFP4", "NVFP4_H16", "NVFP4_H64", "MXFP4", "MXFP4_H32", "MXFP4_H64"]
 MENUS = {"W4A4": harness.MENUS["W4A4"], "W4A4+H": harness.ROTATED_MENUS["W4A4+H"],
-         "MX": harness.MENUS["MX"], "MX+H": harness.ROTATED_MENUS["MX+H"]}
+         "MX": harness.MENUS["MX"], "MX+H": harness.ROTATED_MENUS["MX+H"],
+         # planned as given (no searched-scale twins added): one GPTQ rounding per quantizing
+         # scheme for --gptq-scores, the rotation at each format's own block width
+         "W4A4+H16s": ["NVFP4_SEARCH", "NVFP4_H16_SEARCH", "FP8_DYNAMIC", "BF16"],
+         "MX+H32": ["MXFP4", "MXFP4_H32", "FP8_DYNAMIC", "BF16"]}
+AS_GIVEN = {"W4A4+H16s", "MX+H32"}
 MX_BUDGET = 4.95
 
 
@@ -86,13 +94,17 @@ def uniform_row(scheme: str, gptq: bool, work: Path) -> dict:
             **{k: e[k] for k in ("kl", "kl_se", "ppl", "top1")}, "folder": relative(work)}
 
 
-def menu_row(menu_name: str, budget: float, gptq: bool, work: Path) -> dict:
+def menu_row(menu_name: str, budget: float, gptq: bool, work: Path,
+             gptq_scores: bool = False) -> dict:
+    """``quantize`` of the bundled model with the menu ``menu_name`` at ``budget`` bits
+    (``gptq_scores``: planned from the scores after GPTQ, ``--gptq --gptq-scores``)."""
     from fp4sense.api import quantize_model
     from fp4sense.numerics.schemes import get_scheme
 
     t = time.perf_counter()
     r = quantize_model(None, out_dir=work, budget_bits=budget, menu=MENUS[menu_name],
-                       gptq=gptq, overwrite=True, progress=False, log=log)
+                       scale_search=menu_name not in AS_GIVEN, gptq=gptq,
+                       gptq_scores=gptq_scores, overwrite=True, progress=False, log=log)
     plan = json.loads((work / "plan.json").read_text())
     units = {f"{u['block']}:{u['kind']}": u  # the unit's input width, from the report
              for u in json.loads((work / "sensitivity.json").read_text())["units"]["units"]}
@@ -105,7 +117,7 @@ def menu_row(menu_name: str, budget: float, gptq: bool, work: Path) -> dict:
             rotated += 1
             macs += width * units[c["unit"]]["in_features"]
     e = r["eval"]
-    return {"menu": menu_name, "budget": budget, "gptq": gptq,
+    return {"menu": menu_name, "budget": budget, "gptq": gptq, "gptq_scores": gptq_scores,
             "wall_s": round(time.perf_counter() - t, 1), "schemes": r["plan"]["schemes"],
             "rotated_units": rotated, "units": len(plan["choices"]),
             "transform_macs_over_linear": macs / linear,
@@ -149,8 +161,10 @@ def markdown(result: dict) -> str:
     for r in rows.values():
         if "menu" not in r:
             continue
+        method = ("plan + GPTQ, scores after GPTQ" if r.get("gptq_scores") else
+                  "plan + GPTQ" if r["gptq"] else "plan RTN")
         lines.append(f"| {' / '.join(MENUS[r['menu']])} | {r['budget']} | "
-                     f"{'plan + GPTQ' if r['gptq'] else 'plan RTN'} | {r['effective_bits']:.3f} | "
+                     f"{method} | {r['effective_bits']:.3f} | "
                      f"{r['kl']:.4f} ± {r['kl_se']:.4f} | {r['ppl']:.2f} | {r['top1']:.3f} | "
                      f"{r['rotated_units']} of {r['units']} | "
                      f"{r['transform_macs_over_linear']:.4f} |")
@@ -160,9 +174,11 @@ def markdown(result: dict) -> str:
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--parts", default="uniform,menu")
     ap.add_argument("--budgets", default="5.0", help="W4A4 menu budgets (MX: 4.95)")
-    ap.add_argument("--menus", default=",".join(MENUS), help="the menu part's menus, of "
+    ap.add_argument("--menus", default="W4A4+H,MX+H,W4A4,MX", help="the menu part's menus, of "
                     f"{', '.join(MENUS)}")
     ap.add_argument("--work", type=Path, default=RESULTS / ".rotation")
+    ap.add_argument("--gptq-scores", action="store_true", help="the menu part plans from "
+                    "the scores after GPTQ (quantize --gptq --gptq-scores), GPTQ rows only")
     ap.add_argument("--verify", action="store_true", help="verify-vllm the rotated rows")
     ap.add_argument("--cost", metavar="SCHEME", help="only record the online transforms' "
                     "cost of a uniform SCHEME plan of the bundled model")
@@ -193,19 +209,24 @@ def run(args: argparse.Namespace) -> int:
         jobs += [(f"uniform {s} + GPTQ", uniform_row, (s, True)) for s in ("MXFP4", "MXFP4_H32")]
     if "menu" in parts:  # the menus with rotations first, then the plain ones
         budgets = [float(x) for x in args.budgets.split(",")]
-        for g in (True, False):
-            for m in [m for m in ("W4A4+H", "MX+H", "W4A4", "MX") if m in menus]:
+        order = [m for m in MENUS if "+H" in m] + [m for m in MENUS if "+H" not in m]
+        for g in (True,) if args.gptq_scores else (True, False):
+            for m in [m for m in order if m in menus]:
                 for b in budgets if m.startswith("W4A4") else [MX_BUDGET]:
-                    jobs.append((f"{m} @ {b}{' + GPTQ' if g else ''}", menu_row, (m, b, g)))
+                    name = (f"{m} @ {b} + GPTQ, scores after GPTQ" if args.gptq_scores else
+                            f"{m} @ {b}{' + GPTQ' if g else ''}")
+                    jobs.append((name, menu_row, (m, b, g)))
     if "uniform" in parts:
         jobs += [(f"uniform {s} + GPTQ", uniform_row, (s, True)) for s in ("NVFP4", "NVFP4_H16")]
     for name, fn, fn_args in jobs:
         if name in result["rows"]:
             continue
         log(f"== {name}")
-        folder = args.work / name.replace(" ", "").replace("@", "-").replace("+", "_")
+        folder = args.work / name.replace(" ", "").replace("@", "-").replace("+", "_").replace(
+            ",", "_")
         t = time.perf_counter()
-        row = fn(*fn_args, folder)
+        row = fn(*fn_args, folder, **({"gptq_scores": True} if fn is menu_row and
+                                      args.gptq_scores else {}))
         row["row_s"] = round(time.perf_counter() - t, 1)
         result["rows"][name] = row
         _save(result)

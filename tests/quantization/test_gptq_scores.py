@@ -32,7 +32,12 @@ def tiny(tiny_llama, text_file):
     return model, windows, find_units(model, windows[:1, :16])
 
 
-def test_estimate_reads_the_given_weights_instead_of_rounding_to_nearest(tiny, tmp_path):
+@pytest.mark.parametrize("scheme", ["NVFP4A16", "NVFP4_H16", "MXFP4A16_H32"])
+def test_estimate_reads_the_given_weights_instead_of_rounding_to_nearest(scheme, tiny,
+                                                                         tmp_path):
+    """Given the round-to-nearest weights (a rotated scheme's in the rotated basis, as its
+    checkpoint and the rounder store them), the estimate scores every unit as it does
+    rounding to nearest itself, to the bit."""
     from fp4sense.diagnosis.units import quantize_unit
     from fp4sense.quantization.rounded import RoundedWeights
 
@@ -41,20 +46,26 @@ def test_estimate_reads_the_given_weights_instead_of_rounding_to_nearest(tiny, t
     rtn = {}
     for u in units.units:
         # in the model's compute dtype, as the estimate quantizes
-        rtn.update(zip(u.modules, quantize_unit("NVFP4A16", u, [weight[m] for m in u.modules],
+        rtn.update(zip(u.modules, quantize_unit(scheme, u, [weight[m] for m in u.modules],
                                                 out_dtype=torch.bfloat16,
                                                 dtype=weight[u.modules[0]].dtype), strict=True))
     save_file(rtn, tmp_path / "rtn.safetensors")
-    save_file({m: w.to(torch.bfloat16) for m, w in weight.items()}, tmp_path / "same.safetensors")
 
-    plain = _estimate(model, windows, "NVFP4A16")
-    given_rtn = _estimate(model, windows, "NVFP4A16",
-                          RoundedWeights({"NVFP4A16": tmp_path / "rtn.safetensors"}))
-    # the round-to-nearest weights given: the same scores, to the bit
-    assert given_rtn.unit_scores("NVFP4A16", "estimated") == plain.unit_scores(
-        "NVFP4A16", "estimated")
+    plain = _estimate(model, windows, scheme)
+    given_rtn = _estimate(model, windows, scheme,
+                          RoundedWeights({scheme: tmp_path / "rtn.safetensors"}))
+    assert given_rtn.unit_scores(scheme, "estimated") == plain.unit_scores(scheme, "estimated")
     assert given_rtn.text["quantized_weights"].startswith("GPTQ")
     assert "quantized_weights" not in plain.text
+
+
+def test_estimate_of_unquantized_given_weights_is_zero(tiny, tmp_path):
+    from fp4sense.quantization.rounded import RoundedWeights
+
+    model, windows, units = tiny
+    weight = {m: model.get_submodule(m).weight.data for u in units.units for m in u.modules}
+    save_file({m: w.to(torch.bfloat16) for m, w in weight.items()}, tmp_path / "same.safetensors")
+    plain = _estimate(model, windows, "NVFP4A16")
     # the unquantized weights given (the model is bf16-born: exact): nothing is damaged
     same = _estimate(model, windows, "NVFP4A16",
                      RoundedWeights({"NVFP4A16": tmp_path / "same.safetensors"}))
@@ -79,12 +90,14 @@ def test_a_weight_missing_from_the_rounded_file_is_named(tiny, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family,scheme", [("llama", "NVFP4A16"), ("qwen2", "FP8_DYNAMIC"),
-                                           ("gemma3", "NVFP4_SEARCH")])
+                                           ("gemma3", "NVFP4_SEARCH"),
+                                           ("mistral", "MXFP4_H32")])
 def test_rounder_saves_the_weights_gptq_writes_into_the_checkpoint(family, scheme, assets,
                                                                    text_file, tmp_path):
     """The rounded file holds, bit for bit, each linear's weight in the checkpoint that
-    `quantize --gptq` writes for the same plan (decompressed by compressed-tensors);
-    a second call with the file present uses it again."""
+    `quantize --gptq` writes for the same plan (decompressed by compressed-tensors; a
+    rotated scheme's in the rotated basis, where GPTQ rounded it); a second call with the
+    file present uses it again."""
     from fp4sense.checkpoint.loading import load_checkpoint
     from fp4sense.diagnosis.units import find_units, model_fingerprint
     from fp4sense.inputs.models import analysis_windows, load_model
@@ -103,6 +116,9 @@ def test_rounder_saves_the_weights_gptq_writes_into_the_checkpoint(family, schem
     uniform_plan(units, scheme, family, fingerprint).save(work / "plan.json")
     quantizer()(str(base), calib, work, plan="plan.json", gptq=True)
     written, _, _ = load_checkpoint(work, dtype=torch.bfloat16)
+    transform = json.loads((work / "config.json").read_text())["quantization_config"].get(
+        "transform_config")
+    assert bool(transform) == ("_H" in scheme)  # the rotated plan stores its rotation
 
     from safetensors import safe_open
 
@@ -157,3 +173,40 @@ def test_gptq_scores_refuses_what_it_cannot_honour(extra, culprit, tiny_llama, t
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and "--gptq-scores" in last and culprit in last, proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_gptq_scores_score_rotated_schemes_in_the_rotated_basis(family, assets, text_file,
+                                                                 tmp_path):
+    """With rotated schemes on the menu, each is rounded by GPTQ once, in its rotated
+    basis; the plan is made from those scores, and the checkpoint's transform_config
+    rotates exactly the units the plan rotates (a MoE's experts take no rotation)."""
+    from compressed_tensors.utils import match_named_modules
+    from transformers import AutoModelForCausalLM
+
+    from fp4sense.numerics.schemes import get_scheme
+
+    base = make_family_model(family, tmp_path / family, assets["model"])
+    out = tmp_path / "q"
+    proc = subprocess.run([FP4SENSE, "quantize", str(base), "--budget", "4.6", "--out",
+                           str(out), "--text", str(text_file), *SMALL, "--gptq", "--gptq-scores",
+                           "--menu", "MXFP4,MXFP4_H32,BF16", "--no-scale-search", "--no-eval",
+                           "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rounding every unit MXFP4 with GPTQ (1/2)" in proc.stderr
+    assert "rounding every unit MXFP4_H32 with GPTQ (2/2)" in proc.stderr
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["damage_source"] == "after-GPTQ estimated"
+    report = json.loads((out / "sensitivity.json").read_text())
+    assert report["text"]["quantized_weights"].startswith("GPTQ")
+    rotated = {m for c in plan["choices"] if get_scheme(c["scheme"]).rotation
+               for m in c["modules"]}
+    assert rotated and not any(".experts." in m for m in rotated)  # (random weights: some)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    model = AutoModelForCausalLM.from_pretrained(base)
+    targeted = set()
+    for group in (config.get("transform_config") or {}).get("config_groups", {}).values():
+        args = group["apply"][0]
+        targeted |= {n for n, _ in match_named_modules(model, args["targets"], args["ignore"])}
+    assert targeted == rotated

@@ -23,18 +23,17 @@ __all__ = ["best_plans", "check_menu", "check_quantizes", "measure_on", "select_
            "select_on_calibration"]
 
 
-def check_menu(menu, *, distill: bool = False, gptq_scores: bool = False) -> None:
+def check_menu(menu, *, distill: bool = False) -> None:
     """``--menu`` holds at least one scheme that quantizes, and no rotated one where a
     step cannot take it yet (checked before the model loads)."""
     if not any(get_scheme(s).quantizes for s in menu):
         raise PlanError(f"--menu {','.join(menu)} has no scheme that quantizes, so nothing "
                         "would be quantized; add one (e.g. --menu NVFP4,FP8_DYNAMIC,BF16)")
     rotated = [get_scheme(s).name for s in menu if get_scheme(s).rotation]
-    for flag, wanted in (("--distill", distill), ("--gptq-scores", gptq_scores)):
-        if rotated and wanted:
-            raise PlanError(f"--menu {','.join(rotated)}: {flag} does not handle rotated "
-                            f"schemes yet; drop {flag} or the rotated schemes (--gptq "
-                            "rounds them, in the rotated basis)")
+    if rotated and distill:
+        raise PlanError(f"--menu {','.join(rotated)}: --distill does not handle rotated "
+                        "schemes yet; drop --distill or the rotated schemes (--gptq "
+                        "rounds them, in the rotated basis)")
 
 
 def check_quantizes(plan: Plan, objective: dict, lo: float, hi: float, numel: int,
