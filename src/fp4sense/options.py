@@ -32,6 +32,7 @@ from fp4sense.validate import (
     block_list,
     device_name,
     non_empty,
+    non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
@@ -40,7 +41,7 @@ from fp4sense.validate import (
 __all__ = ["ANALYZE", "EVAL", "QUANTIZE", "Option", "add", "check", "keywords", "pins_of",
            "windows"]
 
-_NUMBERS = (positive_int, non_negative_int, positive_float)
+_NUMBERS = (positive_int, non_negative_int, positive_float, non_negative_float)
 
 
 @dataclass(frozen=True)

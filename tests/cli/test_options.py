@@ -280,3 +280,13 @@ def test_the_functions_take_numbers_of_any_kind_in_range():
 
     options.check(options.QUANTIZE, {"calib_windows": np.int64(4), "budget_bits": np.float32(5),
                                      "select_plans": 2, "menu": ("NVFP4",)}, "quantize_model")
+
+
+def test_every_number_parser_is_checked_on_the_functions_side():
+    """An option parsed by one of validate's number parsers gets the same range check when
+    its keyword comes through a Python function (options._NUMBERS lists them all)."""
+    from fp4sense import options, validate
+
+    parsers = {f for name, f in vars(validate).items()
+               if name.startswith(("positive_", "non_negative_")) and callable(f)}
+    assert parsers and set(options._NUMBERS) == parsers
