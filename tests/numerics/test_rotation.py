@@ -205,7 +205,9 @@ def test_a_plan_rotates_per_unit_and_its_recipe_reruns_the_checkpoint(tiny_llama
     assert all(torch.equal(first[k], again[k]) for k in first)
 
 
-def test_a_step_that_cannot_take_rotations_yet_says_so(tiny_llama, text_file, tmp_path):
+def test_qad_before_calibration_refuses_rotations(tiny_llama, text_file, tmp_path):
+    """Without --gptq, QAD trains before the rotation enters the model: refused, naming
+    what to add."""
     proc = subprocess.run([FP4SENSE, "quantize", str(tiny_llama), "--budget", "4.6", "--menu",
                            "NVFP4,NVFP4_H16", "--text", str(text_file), *SMALL,
                            "--out", str(tmp_path / "q"), "--distill", "4"], capture_output=True,
@@ -213,8 +215,71 @@ def test_a_step_that_cannot_take_rotations_yet_says_so(tiny_llama, text_file, tm
     assert proc.returncode == 1, proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("fp4sense: error: --menu NVFP4_H16,NVFP4_H16_SEARCH: "
-                           "--distill does not handle rotated schemes yet"), line
+                           "--distill trains rotated schemes only after GPTQ"), line
+    assert "add --gptq" in line
     assert not (tmp_path / "q").exists()
+
+
+def test_the_qad_modifier_before_calibration_refuses_a_rotating_stage(tiny_llama, text_file,
+                                                                     tmp_path):
+    """The YAML path: QAD placed in a stage whose plan rotates units, with no GPTQModifier
+    before it, is one DistillError naming the rotating modifier."""
+    from fp4sense.diagnosis.units import find_units, model_fingerprint
+    from fp4sense.inputs.models import analysis_windows, load_model
+    from fp4sense.quantization.distill import DistillError
+    from fp4sense.quantization.rounded import uniform_plan
+    from fp4sense_llmcompressor import QuantizationAwareDistillationModifier
+    from fp4sense_llmcompressor.driver import calibrated_model
+    from fp4sense_llmcompressor.modifier import SensitivityGuidedModifier
+
+    model, tok, _ = load_model(tiny_llama)
+    calib = analysis_windows(tok, text_file, 4, 64)
+    units = find_units(model, calib[:1, :16])
+    uniform_plan(units, "NVFP4_H16", "tiny", model_fingerprint(model),
+                 {"dtype": "float32", "stored_dtype": "bfloat16", "window_prefix": []}).save(
+        tmp_path / "plan.json")
+    with pytest.raises(DistillError, match=r"rotates linears \(SensitivityGuidedModifier\)"
+                       r".*put a GPTQModifier before it"):
+        calibrated_model(str(tiny_llama), calib, [
+            SensitivityGuidedModifier(plan=str(tmp_path / "plan.json")),
+            QuantizationAwareDistillationModifier(steps=2, windows=2, holdout=0)],
+            dtype="float32")
+
+
+@pytest.mark.slow
+def test_qad_after_gptq_trains_a_rotated_plan(tiny_llama, text_file, tmp_path):
+    """--gptq --distill with rotated schemes: untrained (a learning rate too small to move
+    a float32 weight) the checkpoint is the rotated GPTQ checkpoint bit for bit, rotation
+    included; trained, the loss it starts from falls and the stored rotation stays."""
+    from safetensors.torch import load_file
+
+    def quantize(name, *extra):
+        out = tmp_path / name
+        proc = subprocess.run([FP4SENSE, "quantize", str(tiny_llama), "--budget", "4.6",
+                               "--menu", "MXFP4,MXFP4_H32,FP8_DYNAMIC", "--no-scale-search",
+                               "--pin", r".*self_attn\.q_proj=MXFP4_H32", "--out", str(out),
+                               "--text", str(text_file), *SMALL, "--gptq", *extra,
+                               "--no-eval"], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return out, load_file(out / "model.safetensors"), json.loads(
+            (out / "config.json").read_text())["quantization_config"]["transform_config"]
+
+    qad = ["--distill", "4", "--distill-windows", "2", "--distill-holdout", "0"]
+    _, gptq, rotation = quantize("gptq")
+    assert rotation["config_groups"]
+    _, still, still_rotation = quantize("still", *qad, "--distill-lr", "1e-12")
+    assert still_rotation == rotation and still.keys() == gptq.keys()
+    assert all(torch.equal(still[k], gptq[k]) for k in gptq)
+    out, trained, trained_rotation = quantize("trained", *qad, "--distill-lr", "1e-4")
+    assert trained_rotation == rotation
+    record = json.loads((out / "distill.json").read_text())
+    assert record["start"] == "after GPTQ, under its scales"
+    assert record["loss_after"] < record["loss_before"]
+    # the stored codes move (FP8's finer grid first), the scales are GPTQ's
+    codes = [k for k in gptq if k.endswith(("weight_packed", "proj.weight"))]
+    assert codes and any(not torch.equal(trained[k], gptq[k]) for k in codes)
+    scales = [k for k in gptq if k.endswith(("weight_scale", "weight_global_scale"))]
+    assert scales and all(torch.equal(trained[k], gptq[k]) for k in scales)
 
 
 def test_the_cpu_hadamard_kernel_is_vllms_op(serve_python):

@@ -257,3 +257,52 @@ def test_the_qad_modifier_without_calibration_data_names_itself(tiny_llama):
     with pytest.raises(ValueError, match="QuantizationAwareDistillationModifier trains on the "
                                          "calibration data: pass a dataset to oneshot"):
         oneshot(model=model, recipe=recipe)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["NVFP4_H16", "MXFP4_H32"])
+def test_qad_after_gptq_computes_what_the_rotated_model_computes(scheme, tiny_llama, text_file,
+                                                                 tmp_path):
+    """After GPTQ under a rotated plan, QAD's straight-through forward (its fixed-scale
+    quantizers, hooked after compressed-tensors' input rotation) is the calibrated model's
+    own forward, ``Q(x R) Q(W R)^T``, to the bit; without quantization it is not."""
+    from compressed_tensors.quantization import disable_quantization
+    from llmcompressor.modifiers.gptq import GPTQModifier
+
+    from fp4sense.diagnosis.units import find_units, model_fingerprint
+    from fp4sense.inputs.models import analysis_windows, load_model
+    from fp4sense.numerics.schemes import get_scheme
+    from fp4sense.quantization.distill import trained_linears
+    from fp4sense.quantization.rounded import uniform_plan
+    from fp4sense.quantization.straight_through import FrozenRefresher, install
+    from fp4sense_llmcompressor.distill import frozen_quantizers
+    from fp4sense_llmcompressor.driver import calibrated_model
+    from fp4sense_llmcompressor.modifier import SensitivityGuidedModifier
+
+    model, tok, _ = load_model(tiny_llama)
+    calib = analysis_windows(tok, text_file, 4, 64)
+    units = find_units(model, calib[:1, :16])
+    plan = uniform_plan(units, scheme, "tiny", model_fingerprint(model),
+                        {"dtype": "float32", "stored_dtype": "bfloat16", "window_prefix": []})
+    plan.save(tmp_path / "plan.json")
+    model = calibrated_model(str(tiny_llama), calib, [
+        SensitivityGuidedModifier(plan=str(tmp_path / "plan.json")), GPTQModifier()],
+        dtype="float32")
+    assert hasattr(model.get_submodule(units.units[0].modules[0]), f"hadamard_"
+                   f"{get_scheme(scheme).rotation}_input")  # the rotation is in the model
+    model.float()  # as QAD trains it (embeddings came back bf16, scales FP8 / float32)
+    with torch.no_grad():
+        expected = model(calib).logits
+    schemes = {c.unit: c.scheme for c in plan.choices}
+    names = trained_linears(units, schemes)
+    frozen = frozen_quantizers(model, names)
+    model.apply(disable_quantization)
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        unquantized = model(calib).logits
+        trained = [(u, get_scheme(schemes[u.name])) for u in units.units]
+        install(modules, trained, {}, frozen.inputs)
+        FrozenRefresher(modules, names, frozen.weights).refresh(False)
+        got = model(calib).logits
+    assert not torch.equal(unquantized, expected)
+    assert torch.equal(got, expected)

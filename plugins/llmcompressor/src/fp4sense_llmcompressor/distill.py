@@ -13,6 +13,12 @@ unquantized model under the attached formats
 - otherwise at initialization, before calibration: calibration and compression then run
   on the trained weights, every scale derived from them as usual.
 
+Rotated linears (a plan's ``NVFP4_H16`` units, QuIP / SpinQuant) train after GPTQ only:
+by then compressed-tensors has fused the rotation into their weights and rotates their
+inputs in a hook that runs before the training's own, so the training computes
+``Q(x R) Q(W R)^T`` as the checkpoint will. Before calibration the rotation is not in
+the model yet, and such a stage is refused.
+
 Either way the checkpoint is the one a plain recipe writes::
 
     quant_stage:
@@ -37,7 +43,7 @@ from llmcompressor.modifiers import Modifier
 from pydantic import PrivateAttr
 
 from fp4sense.diagnosis.units import find_units, model_fingerprint
-from fp4sense.numerics.schemes import menu_name_of
+from fp4sense.numerics.schemes import get_scheme, menu_name_of
 from fp4sense.quantization.distill import (
     DistillError,
     DistillSettings,
@@ -48,7 +54,7 @@ from fp4sense.quantization.distill import (
 )
 from fp4sense_llmcompressor.modifier import _calibration_windows
 
-__all__ = ["QuantizationAwareDistillationModifier"]
+__all__ = ["QuantizationAwareDistillationModifier", "frozen_quantizers"]
 
 _DEFAULT = {f.name: f.default for f in fields(DistillSettings)}
 
@@ -112,6 +118,11 @@ class QuantizationAwareDistillationModifier(Modifier):
         units = find_units(model, windows[:1, :16])
         schemes = _attached_schemes(model, units)
         after_gptq = _after_gptq(self)
+        if not after_gptq and _rotating(self):
+            raise DistillError("QuantizationAwareDistillationModifier: the stage rotates "
+                               f"linears ({_rotating(self)}), which enter the model when "
+                               "calibration starts; QAD trains rotated linears only after "
+                               "GPTQ: put a GPTQModifier before it, or drop the rotations")
         key = f"{model_fingerprint(model)}:{sorted(schemes.items())}:{after_gptq}"
         args = (model, units, schemes, windows, settings)
         with self._on_device(model):
@@ -127,12 +138,7 @@ class QuantizationAwareDistillationModifier(Modifier):
             return True
         later, self._later = self._later, None
         model, units, schemes, windows, settings = later["args"]
-        modules = dict(model.named_modules())
-        names = trained_linears(units, schemes)
-        frozen = Frozen(
-            weights={m: _fixed(modules[m], "weight", "weights") for m in names},
-            inputs={m: _fixed(modules[m], "input", "input_activations") for m in names
-                    if modules[m].quantization_scheme.input_activations is not None})
+        frozen = frozen_quantizers(model, trained_linears(units, schemes))
         model.apply(disable_quantization)  # the training quantizes, with the same scales
         try:
             with self._on_device(model):
@@ -159,6 +165,29 @@ def _after_gptq(modifier: Modifier) -> bool:
     mods = list(active_session().lifecycle.recipe.modifiers)
     before = mods[:next((i for i, m in enumerate(mods) if m is modifier), len(mods))]
     return any(type(m).__name__ == "GPTQModifier" for m in before)
+
+
+def _rotating(modifier: Modifier) -> str | None:
+    """The modifier of ``modifier``'s recipe that rotates linears at calibration start (a
+    SensitivityGuidedModifier whose plan rotates units, a QuIP / SpinQuant modifier), if
+    any."""
+    for m in active_session().lifecycle.recipe.modifiers:
+        name = type(m).__name__
+        plan = getattr(m, "applied_plan", None) if name == "SensitivityGuidedModifier" else None
+        if name in ("QuIPModifier", "SpinQuantModifier") or (
+                plan is not None and any(get_scheme(c.scheme).rotation for c in plan.choices)):
+            return name
+    return None
+
+
+def frozen_quantizers(model: torch.nn.Module, names) -> Frozen:
+    """The linears ``names``' weight and input quantizers under the scales calibrated on
+    them (compressed-tensors' ``forward_quantize``), for training after GPTQ."""
+    modules = dict(model.named_modules())
+    return Frozen(
+        weights={m: _fixed(modules[m], "weight", "weights") for m in names},
+        inputs={m: _fixed(modules[m], "input", "input_activations") for m in names
+                if modules[m].quantization_scheme.input_activations is not None})
 
 
 def _fixed(module: torch.nn.Module, base: str, field: str):
