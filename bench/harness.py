@@ -31,7 +31,11 @@ MENUS = {"W4A4": ["NVFP4", "FP8_DYNAMIC", "BF16"],
 #: the same with block-Hadamard rotated FP4 schemes beside the plain one (SmolLM2's widths,
 #: 576 and 1536, take 16-, 32- and 64-wide rotations, not 128: 576 = 64 x 9)
 ROTATED_MENUS = {"W4A4+H": ["NVFP4", "NVFP4_H16", "NVFP4_H64", "FP8_DYNAMIC", "BF16"],
-                 "MX+H": ["MXFP4", "MXFP4_H32", "MXFP4_H64", "FP8_DYNAMIC", "BF16"]}
+                 "MX+H": ["MXFP4", "MXFP4_H32", "MXFP4_H64", "FP8_DYNAMIC", "BF16"],
+                 # each format's own block width only, searched twins spelled out
+                 # (planned as given: one GPTQ rounding per scheme for --gptq-scores)
+                 "W4A4+H16s": ["NVFP4_SEARCH", "NVFP4_H16_SEARCH", "FP8_DYNAMIC", "BF16"],
+                 "MX+H32": ["MXFP4", "MXFP4_H32", "FP8_DYNAMIC", "BF16"]}
 CALIB_WINDOWS, ESTIMATE_WINDOWS = defaults.CALIB_WINDOWS, defaults.ANALYSIS_WINDOWS
 EVAL_WINDOWS, WINDOW_TOKENS = defaults.EVAL_WINDOWS, defaults.WINDOW_TOKENS
 

@@ -15,6 +15,7 @@ Rows (each resumable: a finished row is kept in the results file and skipped):
   scores after GPTQ (each quantizing scheme rounded by GPTQ once, a rotated one in its
   rotated basis), for example with the menus taken as given ``W4A4+H16s`` {NVFP4_SEARCH,
   NVFP4_H16_SEARCH, FP8_DYNAMIC, BF16} and ``MX+H32`` {MXFP4, MXFP4_H32, FP8_DYNAMIC, BF16}.
+  With ``--qad STEPS``: GPTQ rows trained after GPTQ (QAD, block-wise by default).
 
 Each row: measured bits (the transform matrices counted), KL ± SE, PPL, top-1, wall time;
 plans also the units they rotate and the online transforms' estimated cost per token
@@ -22,7 +23,7 @@ relative to all decoder linears (a dense block product: ``in * B`` multiply-adds
 rotated linear's input, shared by a fused group, against ``in * out`` for the linears).
 
     .venv/bin/python -m bench rotation [--parts uniform,menu] [--menus MX+H] [--budgets 5.0]
-        [--gptq-scores] [--verify]
+        [--gptq-scores] [--qad STEPS [--qad-lr 5e-4] [--qad-mode block]] [--verify]
 
 Results: bench/results/rotation.json and rotation.md (``--markdown`` rewrites the tables
 from the results so far). Run it alone (the oneshots compete for the cores).
@@ -43,13 +44,8 @@ from bench.harness import RESULTS, command, log, relative
 OUT = RESULTS / "rotation.json"
 # SmolLM2's widths (576, 1536) take 16-, 32- and 64-wide rotations, not 128 (576 = 64 x 9)
 UNIFORM = ["NVFP4", "NVFP4_H16", "NVFP4_H64", "MXFP4", "MXFP4_H32", "MXFP4_H64"]
-MENUS = {"W4A4": harness.MENUS["W4A4"], "W4A4+H": harness.ROTATED_MENUS["W4A4+H"],
-         "MX": harness.MENUS["MX"], "MX+H": harness.ROTATED_MENUS["MX+H"],
-         # planned as given (no searched-scale twins added): one GPTQ rounding per quantizing
-         # scheme for --gptq-scores, the rotation at each format's own block width
-         "W4A4+H16s": ["NVFP4_SEARCH", "NVFP4_H16_SEARCH", "FP8_DYNAMIC", "BF16"],
-         "MX+H32": ["MXFP4", "MXFP4_H32", "FP8_DYNAMIC", "BF16"]}
-AS_GIVEN = {"W4A4+H16s", "MX+H32"}
+MENUS = {"W4A4": harness.MENUS["W4A4"], "MX": harness.MENUS["MX"], **harness.ROTATED_MENUS}
+AS_GIVEN = {"W4A4+H16s", "MX+H32"}  # planned as given: no searched-scale twins added
 MX_BUDGET = 4.95
 
 
@@ -95,16 +91,19 @@ def uniform_row(scheme: str, gptq: bool, work: Path) -> dict:
 
 
 def menu_row(menu_name: str, budget: float, gptq: bool, work: Path,
-             gptq_scores: bool = False) -> dict:
+             gptq_scores: bool = False, qad: dict | None = None) -> dict:
     """``quantize`` of the bundled model with the menu ``menu_name`` at ``budget`` bits
-    (``gptq_scores``: planned from the scores after GPTQ, ``--gptq --gptq-scores``)."""
+    (``gptq_scores``: planned from the scores after GPTQ, ``--gptq --gptq-scores``;
+    ``qad``: DistillSettings' fields, QAD after GPTQ)."""
     from fp4sense.api import quantize_model
     from fp4sense.numerics.schemes import get_scheme
+    from fp4sense.quantization.distill import DistillSettings
 
     t = time.perf_counter()
     r = quantize_model(None, out_dir=work, budget_bits=budget, menu=MENUS[menu_name],
                        scale_search=menu_name not in AS_GIVEN, gptq=gptq,
-                       gptq_scores=gptq_scores, overwrite=True, progress=False, log=log)
+                       gptq_scores=gptq_scores, distill=DistillSettings(**qad) if qad else None,
+                       overwrite=True, progress=False, log=log)
     plan = json.loads((work / "plan.json").read_text())
     units = {f"{u['block']}:{u['kind']}": u  # the unit's input width, from the report
              for u in json.loads((work / "sensitivity.json").read_text())["units"]["units"]}
@@ -117,7 +116,15 @@ def menu_row(menu_name: str, budget: float, gptq: bool, work: Path,
             rotated += 1
             macs += width * units[c["unit"]]["in_features"]
     e = r["eval"]
+    trained = {}
+    if qad:
+        record = json.loads((work / "distill.json").read_text())
+        trained = {"qad": {**qad, **{k: record[k] for k in ("loss_before", "loss_after",
+                                                          "time_s", "start")},
+                           "rollbacks": len(record["rollbacks"]),
+                           "holdout": record.get("holdout")}}
     return {"menu": menu_name, "budget": budget, "gptq": gptq, "gptq_scores": gptq_scores,
+            **trained,
             "wall_s": round(time.perf_counter() - t, 1), "schemes": r["plan"]["schemes"],
             "rotated_units": rotated, "units": len(plan["choices"]),
             "transform_macs_over_linear": macs / linear,
@@ -161,8 +168,9 @@ def markdown(result: dict) -> str:
     for r in rows.values():
         if "menu" not in r:
             continue
-        method = ("plan + GPTQ, scores after GPTQ" if r.get("gptq_scores") else
-                  "plan + GPTQ" if r["gptq"] else "plan RTN")
+        method = ("plan + GPTQ" if r["gptq"] else "plan RTN") + (
+            f" + {r['qad']['mode']} QAD" if r.get("qad") else "") + (
+            ", scores after GPTQ" if r.get("gptq_scores") else "")
         lines.append(f"| {' / '.join(MENUS[r['menu']])} | {r['budget']} | "
                      f"{method} | {r['effective_bits']:.3f} | "
                      f"{r['kl']:.4f} ± {r['kl_se']:.4f} | {r['ppl']:.2f} | {r['top1']:.3f} | "
@@ -179,6 +187,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--work", type=Path, default=RESULTS / ".rotation")
     ap.add_argument("--gptq-scores", action="store_true", help="the menu part plans from "
                     "the scores after GPTQ (quantize --gptq --gptq-scores), GPTQ rows only")
+    ap.add_argument("--qad", type=int, metavar="STEPS", help="the menu part's GPTQ rows "
+                    "also train (QAD after GPTQ) for STEPS steps")
+    ap.add_argument("--qad-lr", type=float, default=5e-4, help="QAD learning rate")
+    ap.add_argument("--qad-mode", choices=["end-to-end", "block"], default="block")
     ap.add_argument("--verify", action="store_true", help="verify-vllm the rotated rows")
     ap.add_argument("--cost", metavar="SCHEME", help="only record the online transforms' "
                     "cost of a uniform SCHEME plan of the bundled model")
@@ -210,14 +222,18 @@ def run(args: argparse.Namespace) -> int:
     if "menu" in parts:  # the menus with rotations first, then the plain ones
         budgets = [float(x) for x in args.budgets.split(",")]
         order = [m for m in MENUS if "+H" in m] + [m for m in MENUS if "+H" not in m]
-        for g in (True,) if args.gptq_scores else (True, False):
+        for g in (True,) if args.gptq_scores or args.qad else (True, False):
             for m in [m for m in order if m in menus]:
                 for b in budgets if m.startswith("W4A4") else [MX_BUDGET]:
-                    name = (f"{m} @ {b} + GPTQ, scores after GPTQ" if args.gptq_scores else
-                            f"{m} @ {b}{' + GPTQ' if g else ''}")
+                    name = (f"{m} @ {b}{' + GPTQ' if g else ''}"
+                            f"{f' + {args.qad_mode} QAD {args.qad}' if args.qad else ''}"
+                            f"{', scores after GPTQ' if args.gptq_scores else ''}")
                     jobs.append((name, menu_row, (m, b, g)))
     if "uniform" in parts:
         jobs += [(f"uniform {s} + GPTQ", uniform_row, (s, True)) for s in ("NVFP4", "NVFP4_H16")]
+    menu_extra = {"gptq_scores": args.gptq_scores,
+                  "qad": {"steps": args.qad, "lr": args.qad_lr, "mode": args.qad_mode}
+                  if args.qad else None}
     for name, fn, fn_args in jobs:
         if name in result["rows"]:
             continue
@@ -225,8 +241,7 @@ def run(args: argparse.Namespace) -> int:
         folder = args.work / name.replace(" ", "").replace("@", "-").replace("+", "_").replace(
             ",", "_")
         t = time.perf_counter()
-        row = fn(*fn_args, folder, **({"gptq_scores": True} if fn is menu_row and
-                                      args.gptq_scores else {}))
+        row = fn(*fn_args, folder, **(menu_extra if fn is menu_row else {}))
         row["row_s"] = round(time.perf_counter() - t, 1)
         result["rows"][name] = row
         _save(result)
