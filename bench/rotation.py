@@ -128,7 +128,7 @@ def menu_row(menu_name: str, budget: float, gptq: bool, work: Path,
             "wall_s": round(time.perf_counter() - t, 1), "schemes": r["plan"]["schemes"],
             "rotated_units": rotated, "units": len(plan["choices"]),
             "transform_macs_over_linear": macs / linear,
-            "predicted_kl": r["plan"]["predicted_kl"],
+            "predicted_kl": r["plan"]["predicted_kl"], "timings": r["timings"],
             **{k: e[k] for k in ("effective_bits", "kl", "kl_se", "ppl", "top1")},
             "folder": relative(work)}
 

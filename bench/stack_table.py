@@ -1,5 +1,5 @@
 """The issue-15 table: per menu, every method (rows) at every budget (columns), merged from
-the results of `bench/stack.py` runs and `bench/gptq_scores.py` runs.
+the results of `bench/stack.py`, `bench/gptq_scores.py` and `bench/rotation.py` runs.
 
 Each cell is the KL (16 evaluation windows, per protocol), the bits, where it was measured
 (``ckpt``: a checkpoint written by `fp4sense quantize` and read back from disk, bits
@@ -25,7 +25,7 @@ from bench.harness import RESULTS
 DEFAULT = ["stack.json", "stack_block.json", "stack_block_w4a4.json",
            "gptq_scores_weight_only.json", "gptq_scores_W4A4.json", "stack_rounding.json",
            "stack_rounding_w4a4.json", "stack_rounding_weight_only.json",
-           "stack_rounding_weight_only_gptq.json"]
+           "stack_rounding_weight_only_gptq.json", "rotation.json"]
 ORDER = ["uniform RTN", "uniform + searched scales", "plan RTN", "plan + searched scales",
          "plan + GPTQ", "plan + GPTQ + QAD", "plan + GPTQ + block QAD", "plan + QAD",
          "uniform + QAD"]
@@ -34,6 +34,8 @@ ORDER = ["uniform RTN", "uniform + searched scales", "plan RTN", "plan + searche
 def rows_of(path: Path) -> list[dict]:
     """``path``'s rows with a method name, a column and where they were measured."""
     result = json.loads(path.read_text())
+    if isinstance(result["rows"], dict):
+        return rotation_rows(result["rows"])
     out = []
     for r in result["rows"]:
         if "scores" in r:  # bench/gptq_scores.py: plans from RTN or after-GPTQ scores
@@ -45,6 +47,33 @@ def rows_of(path: Path) -> list[dict]:
         column = "uniform" if r.get("budget") is None else f"{r['budget']:g}"
         out.append({**r, "method": method, "column": column,
                     "eval": r.get("eval", "in memory")})
+    return out
+
+
+def rotation_rows(rows: dict) -> list[dict]:
+    """`bench/rotation.py`'s rows (checkpoints), under the menu of their FP4 format: a
+    uniform row by its scheme (a plain one is the menu's own ``uniform`` row), a plan row
+    by its rotated menu's name."""
+    out = []
+    for name, r in rows.items():
+        if "menu" in r:
+            menu = "W4A4" if r["menu"].startswith("W4A4") else "MX"
+            method = (f"plan + {'GPTQ' if r['gptq'] else 'RTN'}"
+                      + (f" + {r['qad']['mode']} QAD" if r.get("qad") else "")
+                      + f", rotations ({r['menu']}, {r['rotated_units']} "
+                      f"unit{'' if r['rotated_units'] == 1 else 's'})"
+                      + (", after-GPTQ scores" if r.get("gptq_scores") else ""))
+            column = f"{r['budget']:g}"
+        else:
+            menu = "W4A4" if r["scheme"].startswith("NVFP4") else "MX"
+            plain = r["scheme"] in ("NVFP4", "MXFP4")
+            method = ("uniform" if plain else f"uniform {r['scheme']}") + (
+                " + GPTQ" if r["gptq"] else " RTN")
+            column = "uniform"
+        out.append({"menu": menu, "method": method, "column": column, "kl": r["kl"],
+                    "kl_se": r["kl_se"], "bits": r["effective_bits"], "eval": "checkpoint",
+                    "wall_s": r["oneshot_s"] if "oneshot_s" in r else r["wall_s"] - r.get(
+                        "timings", {}).get("eval_s", 0.0), "source": name})
     return out
 
 
@@ -74,7 +103,9 @@ def markdown(table: dict, paths: list[Path]) -> str:
              "back from disk, bits measured from its files, wall time of writing it; `mem`: "
              "in memory (fp4sense's fake quantization, bit for bit the checkpoint's, bits from "
              "the plan); `fp32`: llm-compressor's oneshot on the float32 model, in memory "
-             "(`bench/gptq_scores.py`). Empty: not run. Each row's QAD settings (steps, learning "
+             "(`bench/gptq_scores.py`). Rows with rotations come from `bench/rotation.py` "
+             "(a plan row recorded without its timings counts its evaluation, about 60 s, "
+             "in the wall time). Empty: not run. Each row's QAD settings (steps, learning "
              "rate, windows) are in its source's Markdown (the same name, `.md`).", ""]
     for menu, cells in table.items():
         columns = sorted({c for _, c in cells}, key=lambda c: -1.0 if c == "uniform" else
