@@ -213,7 +213,9 @@ def run(args: argparse.Namespace) -> int:
         (RESULTS / "rotation.md").write_text(markdown(result))
         print(markdown(result))
         return 0
-    result["command"] = command("rotation", args.argv)
+    result["command"] = command("rotation", args.argv)  # the last; every run's in "commands"
+    result["commands"] = [c for c in result.get("commands", []) if c != result["command"]] + [
+        result["command"]]
     result["threads"] = torch.get_num_threads()
     jobs = []  # the rows the targets need first: a stopped run resumes where it ended
     if "uniform" in parts:
@@ -243,15 +245,23 @@ def run(args: argparse.Namespace) -> int:
         t = time.perf_counter()
         row = fn(*fn_args, folder, **(menu_extra if fn is menu_row else {}))
         row["row_s"] = round(time.perf_counter() - t, 1)
+        row["command"] = result["command"]
         result["rows"][name] = row
         _save(result)
         log(json.dumps({name: {k: row[k] for k in ("kl", "kl_se", "effective_bits")}}))
     if args.verify:
+        # the rotated rows whose checkpoints are still on disk and not verified before
+        said = result.get("verify_vllm") if isinstance(result.get("verify_vllm"), dict) else {}
         rotated = [RESULTS / r["folder"] for r in result["rows"].values()
-                   if "_H" in r.get("scheme", "") or r.get("rotated_units")]
+                   if ("_H" in r.get("scheme", "") or r.get("rotated_units"))
+                   and (RESULTS / r["folder"]).is_dir()
+                   and Path(r["folder"]).name not in said]
         verdicts, tail = harness.verify_vllm(rotated)
-        result["verify_vllm"] = {name: "PASS" if v["passed"] else "FAIL"
-                                 for name, v in verdicts.items()} or tail
+        result["verify_vllm"] = {**said, **{name: "PASS" if v["passed"] else "FAIL"
+                                            for name, v in verdicts.items()}} or tail
+        missing = [f.name for f in rotated if f.name not in verdicts]
+        if missing:
+            result["verify_vllm_stopped"] = {"before": missing, "tail": tail}
     _save(result)
     (RESULTS / "rotation.md").write_text(markdown(result))
     print(markdown(result))
