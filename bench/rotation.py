@@ -176,6 +176,9 @@ def markdown(result: dict) -> str:
                      f"{r['kl']:.4f} ± {r['kl_se']:.4f} | {r['ppl']:.2f} | {r['top1']:.3f} | "
                      f"{r['rotated_units']} of {r['units']} | "
                      f"{r['transform_macs_over_linear']:.4f} |")
+    if isinstance(result.get("verify_vllm"), dict):
+        lines += ["", "`fp4sense verify-vllm` (`--verify`): " + ", ".join(
+            f"{name} {verdict}" for name, verdict in result["verify_vllm"].items())]
     return "\n".join(lines) + "\n"
 
 
