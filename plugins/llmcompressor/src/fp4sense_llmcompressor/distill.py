@@ -118,9 +118,10 @@ class QuantizationAwareDistillationModifier(Modifier):
         units = find_units(model, windows[:1, :16])
         schemes = _attached_schemes(model, units)
         after_gptq = _after_gptq(self)
-        if not after_gptq and _rotating(self):
+        rotating = None if after_gptq else _rotating()
+        if rotating:
             raise DistillError("QuantizationAwareDistillationModifier: the stage rotates "
-                               f"linears ({_rotating(self)}), which enter the model when "
+                               f"linears ({rotating}), which enter the model when "
                                "calibration starts; QAD trains rotated linears only after "
                                "GPTQ: put a GPTQModifier before it, or drop the rotations")
         key = f"{model_fingerprint(model)}:{sorted(schemes.items())}:{after_gptq}"
@@ -167,10 +168,10 @@ def _after_gptq(modifier: Modifier) -> bool:
     return any(type(m).__name__ == "GPTQModifier" for m in before)
 
 
-def _rotating(modifier: Modifier) -> str | None:
-    """The modifier of ``modifier``'s recipe that rotates linears at calibration start (a
-    SensitivityGuidedModifier whose plan rotates units, a QuIP / SpinQuant modifier), if
-    any."""
+def _rotating() -> str | None:
+    """The modifier of the recipe being applied that rotates linears when calibration
+    starts (a SensitivityGuidedModifier whose plan rotates units, llm-compressor's QuIP /
+    SpinQuant modifiers), if any."""
     for m in active_session().lifecycle.recipe.modifiers:
         name = type(m).__name__
         plan = getattr(m, "applied_plan", None) if name == "SensitivityGuidedModifier" else None
