@@ -1,7 +1,8 @@
 """Helpers several test modules share: random windows, a family's tiny model loaded, a
 calibration dataset, llm-compressor's oneshot with one preset, a model of no known
-family, a uniform plan written as a checkpoint, a mixed plan over a model's units and a
-copy of its weights (the QAD tests)."""
+family, a uniform plan saved or written as a checkpoint, the modules a checkpoint's
+transform_config rotates, a mixed plan over a model's units and a copy of its weights
+(the QAD tests)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,34 @@ def uniform_checkpoint(base, calib, units, scheme: str, work, calibration: dict 
     uniform_plan(units, scheme, "tiny", "", calibration).save(work / "plan.json")
     recipe = quantizer()(str(base), calib, work, plan="plan.json")
     return recipe
+
+
+def uniform_plan_file(model_dir, text_file, scheme: str, path):
+    """Every unit of ``model_dir`` under ``scheme``, calibrated in float32 (:data:`FP32`),
+    saved at ``path``; returns the 4 calibration windows of 64 tokens from ``text_file``
+    and the units."""
+    from fp4sense.diagnosis.units import find_units, model_fingerprint
+    from fp4sense.inputs.models import analysis_windows, load_model
+    from fp4sense.quantization.rounded import uniform_plan
+
+    model, tok, _ = load_model(model_dir)
+    calib = analysis_windows(tok, text_file, 4, 64)
+    units = find_units(model, calib[:1, :16])
+    uniform_plan(units, scheme, "tiny", model_fingerprint(model), FP32).save(path)
+    return calib, units
+
+
+def transform_targets(model_dir, quantization_config: dict) -> dict[str, int]:
+    """Module -> rotation width, for every module of ``model_dir`` that the checkpoint's
+    ``transform_config`` rotates (compressed-tensors' own target matching)."""
+    from compressed_tensors.utils import match_named_modules
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    groups = (quantization_config.get("transform_config") or {}).get("config_groups", {})
+    return {name: group["head_dim"] for group in groups.values()
+            for args in group["apply"][:1]
+            for name, _ in match_named_modules(model, args["targets"], args["ignore"])}
 
 
 class ToyBlock(torch.nn.Module):

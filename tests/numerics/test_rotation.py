@@ -23,6 +23,7 @@ from fp4sense.numerics.rotation import (
     transform_config,
 )
 from fp4sense.numerics.schemes import MENU, get_scheme, rotations_of
+from helpers import transform_targets, uniform_plan_file
 
 ROTATED = [n for n, s in MENU.items() if s.rotation]
 
@@ -183,15 +184,7 @@ def test_a_plan_rotates_per_unit_and_its_recipe_reruns_the_checkpoint(tiny_llama
     rotated = {c["unit"]: c["scheme"] for c in plan["choices"] if get_scheme(c["scheme"]).rotation}
     assert {"0:self_attn.q_proj+k_proj+v_proj", "1:self_attn.q_proj+k_proj+v_proj"} <= set(rotated)
     config = json.loads((out / "config.json").read_text())["quantization_config"]
-    from compressed_tensors.utils import match_named_modules
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
-    targeted = {}
-    for group in config["transform_config"]["config_groups"].values():
-        args = group["apply"][0]
-        for name, _ in match_named_modules(model, args["targets"], args["ignore"]):
-            targeted[name] = group["head_dim"]
+    targeted = transform_targets(tiny_llama, config)
     expected = {m: get_scheme(c["scheme"]).rotation for c in plan["choices"]
                 for m in c["modules"] if get_scheme(c["scheme"]).rotation}
     assert targeted == expected
@@ -224,20 +217,12 @@ def test_the_qad_modifier_before_calibration_refuses_a_rotating_stage(tiny_llama
                                                                      tmp_path):
     """The YAML path: QAD placed in a stage whose plan rotates units, with no GPTQModifier
     before it, is one DistillError naming the rotating modifier."""
-    from fp4sense.diagnosis.units import find_units, model_fingerprint
-    from fp4sense.inputs.models import analysis_windows, load_model
     from fp4sense.quantization.distill import DistillError
-    from fp4sense.quantization.rounded import uniform_plan
     from fp4sense_llmcompressor import QuantizationAwareDistillationModifier
     from fp4sense_llmcompressor.driver import calibrated_model
     from fp4sense_llmcompressor.modifier import SensitivityGuidedModifier
 
-    model, tok, _ = load_model(tiny_llama)
-    calib = analysis_windows(tok, text_file, 4, 64)
-    units = find_units(model, calib[:1, :16])
-    uniform_plan(units, "NVFP4_H16", "tiny", model_fingerprint(model),
-                 {"dtype": "float32", "stored_dtype": "bfloat16", "window_prefix": []}).save(
-        tmp_path / "plan.json")
+    calib, _ = uniform_plan_file(tiny_llama, text_file, "NVFP4_H16", tmp_path / "plan.json")
     with pytest.raises(DistillError, match=r"rotates linears \(SensitivityGuidedModifier\)"
                        r".*put a GPTQModifier before it"):
         calibrated_model(str(tiny_llama), calib, [

@@ -3,6 +3,7 @@ an interrupted one to the same weights, and leaves BF16 units untouched."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from fp4sense.quantization import qad_loop as qad
 from fp4sense.quantization.distill import DistillError, DistillSettings, distill
-from helpers import mixed_plan_setup, weights_of
+from helpers import mixed_plan_setup, uniform_plan_file, weights_of
 
 
 def test_qad_lowers_the_kl_and_leaves_bf16_units_alone(tiny_llama):
@@ -269,22 +270,14 @@ def test_qad_after_gptq_computes_what_the_rotated_model_computes(scheme, tiny_ll
     from compressed_tensors.quantization import disable_quantization
     from llmcompressor.modifiers.gptq import GPTQModifier
 
-    from fp4sense.diagnosis.units import find_units, model_fingerprint
-    from fp4sense.inputs.models import analysis_windows, load_model
     from fp4sense.numerics.schemes import get_scheme
     from fp4sense.quantization.distill import trained_linears
-    from fp4sense.quantization.rounded import uniform_plan
     from fp4sense.quantization.straight_through import FrozenRefresher, install
     from fp4sense_llmcompressor.distill import frozen_quantizers
     from fp4sense_llmcompressor.driver import calibrated_model
     from fp4sense_llmcompressor.modifier import SensitivityGuidedModifier
 
-    model, tok, _ = load_model(tiny_llama)
-    calib = analysis_windows(tok, text_file, 4, 64)
-    units = find_units(model, calib[:1, :16])
-    plan = uniform_plan(units, scheme, "tiny", model_fingerprint(model),
-                        {"dtype": "float32", "stored_dtype": "bfloat16", "window_prefix": []})
-    plan.save(tmp_path / "plan.json")
+    calib, units = uniform_plan_file(tiny_llama, text_file, scheme, tmp_path / "plan.json")
     model = calibrated_model(str(tiny_llama), calib, [
         SensitivityGuidedModifier(plan=str(tmp_path / "plan.json")), GPTQModifier()],
         dtype="float32")
@@ -293,7 +286,8 @@ def test_qad_after_gptq_computes_what_the_rotated_model_computes(scheme, tiny_ll
     model.float()  # as QAD trains it (embeddings came back bf16, scales FP8 / float32)
     with torch.no_grad():
         expected = model(calib).logits
-    schemes = {c.unit: c.scheme for c in plan.choices}
+    schemes = {c["unit"]: c["scheme"]
+               for c in json.loads((tmp_path / "plan.json").read_text())["choices"]}
     names = trained_linears(units, schemes)
     frozen = frozen_quantizers(model, names)
     model.apply(disable_quantization)

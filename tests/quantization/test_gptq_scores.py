@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from conftest import FP4SENSE, SMALL
 from families import make_family_model
+from helpers import transform_targets
 
 
 def _estimate(model, windows, scheme, rounded=None):
@@ -182,9 +183,6 @@ def test_gptq_scores_score_rotated_schemes_in_the_rotated_basis(family, assets, 
     """With rotated schemes on the menu, each is rounded by GPTQ once, in its rotated
     basis; the plan is made from those scores, and the checkpoint's transform_config
     rotates exactly the units the plan rotates (a MoE's experts take no rotation)."""
-    from compressed_tensors.utils import match_named_modules
-    from transformers import AutoModelForCausalLM
-
     from fp4sense.numerics.schemes import get_scheme
 
     base = make_family_model(family, tmp_path / family, assets["model"])
@@ -204,9 +202,4 @@ def test_gptq_scores_score_rotated_schemes_in_the_rotated_basis(family, assets, 
                for m in c["modules"]}
     assert rotated and not any(".experts." in m for m in rotated)  # (random weights: some)
     config = json.loads((out / "config.json").read_text())["quantization_config"]
-    model = AutoModelForCausalLM.from_pretrained(base)
-    targeted = set()
-    for group in (config.get("transform_config") or {}).get("config_groups", {}).values():
-        args = group["apply"][0]
-        targeted |= {n for n, _ in match_named_modules(model, args["targets"], args["ignore"])}
-    assert targeted == rotated
+    assert set(transform_targets(base, config)) == rotated
