@@ -52,6 +52,18 @@ def menu(name: str) -> list[str]:
     raise SystemExit(f"unknown menu {name!r}; choose of {[*every, *by_fp4]}")
 
 
+def plain_menu(name: str) -> str:
+    """The name of the menu in MENUS whose FP4 scheme has the format and activations of
+    menu ``name``'s first (a rotated menu's table is its plain menu's)."""
+    from fp4sense.numerics.schemes import get_scheme
+
+    def kind(scheme: str) -> tuple:
+        s = get_scheme(scheme)
+        return s.weight_format, s.activations
+
+    return next(k for k, m in MENUS.items() if kind(m[0]) == kind(menu(name)[0]))
+
+
 def searched(scheme_menu: list[str]) -> list[str]:
     """``scheme_menu`` with its FP4 scheme replaced by the searched-scale twin."""
     return [f"{s}_SEARCH" if i == 0 else s for i, s in enumerate(scheme_menu)]

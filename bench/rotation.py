@@ -15,7 +15,16 @@ Rows (each resumable: a finished row is kept in the results file and skipped):
   scores after GPTQ (each quantizing scheme rounded by GPTQ once, a rotated one in its
   rotated basis), for example with the menus taken as given ``W4A4+H16s`` {NVFP4_SEARCH,
   NVFP4_H16_SEARCH, FP8_DYNAMIC, BF16} and ``MX+H32`` {MXFP4, MXFP4_H32, FP8_DYNAMIC, BF16}.
-  With ``--qad STEPS``: GPTQ rows trained after GPTQ (QAD, block-wise by default).
+  With ``--qad STEPS``: GPTQ rows trained after GPTQ (QAD, block-wise by default). With
+  ``--scores FILE``: rows planned from the scores in FILE (the ``sensitivity.json`` an
+  earlier row wrote, e.g. its scores after GPTQ: GPTQ's roundings are per scheme, not per
+  budget), no estimate; a plan that rotates no unit is the plain menu's plan, so its row
+  records the plan and writes no checkpoint.
+
+With ``--model smollm2-moe``: the menu rows on the MoE bench model instead
+(``bench/smollm2_moe.py``, the sparse top-6 of 8 variant, built into ``--work``): its
+attention may rotate, its routed experts take no rotation (vLLM's fused MoE applies no
+input transform), so the plan chooses rotations for attention only.
 
 Each row: measured bits (the transform matrices counted), KL ± SE, PPL, top-1, wall time;
 plans also the units they rotate and the online transforms' estimated cost per token
@@ -23,7 +32,8 @@ relative to all decoder linears (a dense block product: ``in * B`` multiply-adds
 rotated linear's input, shared by a fused group, against ``in * out`` for the linears).
 
     .venv/bin/python -m bench rotation [--parts uniform,menu] [--menus MX+H] [--budgets 5.0]
-        [--gptq-scores] [--qad STEPS [--qad-lr 5e-4] [--qad-mode block]] [--verify]
+        [--model smollm2-moe] [--gptq-scores | --scores FILE]
+        [--qad STEPS [--qad-lr 5e-4] [--qad-mode block]] [--verify]
 
 Results: bench/results/rotation.json and rotation.md (``--markdown`` rewrites the tables
 from the results so far). Run it alone (the oneshots compete for the cores).
@@ -47,6 +57,8 @@ UNIFORM = ["NVFP4", "NVFP4_H16", "NVFP4_H64", "MXFP4", "MXFP4_H32", "MXFP4_H64"]
 MENUS = {"W4A4": harness.MENUS["W4A4"], "MX": harness.MENUS["MX"], **harness.ROTATED_MENUS}
 AS_GIVEN = {"W4A4+H16s", "MX+H32"}  # planned as given: no searched-scale twins added
 MX_BUDGET = 4.95
+MOE_TOP_K = 6  # the MoE bench model's sparse variant (bench/results/moe.md)
+MODELS = {"smollm2": None, "smollm2-moe": f"SmolLM2-MoE top-{MOE_TOP_K}"}
 
 
 def _load() -> dict:
@@ -90,20 +102,42 @@ def uniform_row(scheme: str, gptq: bool, work: Path) -> dict:
             **{k: e[k] for k in ("kl", "kl_se", "ppl", "top1")}, "folder": relative(work)}
 
 
+def unwritten_plan(menu_name: str, budget: float, scores: Path) -> dict | None:
+    """The plan from ``scores`` when it rotates no unit (the plain menu's plan: no
+    checkpoint to write), else None."""
+    from fp4sense.diagnosis.results import SensitivityReport
+    from fp4sense.numerics.schemes import get_scheme, with_search_twins
+    from fp4sense.planning.milp import solve
+
+    menu = MENUS[menu_name] if menu_name in AS_GIVEN else with_search_twins(MENUS[menu_name])
+    plan = solve(SensitivityReport.load(scores), budget_bits=budget, menu=menu)
+    if any(get_scheme(c.scheme).rotation for c in plan.choices):
+        return None
+    return {"menu": menu_name, "budget": budget, "gptq": True, "scores_from": relative(scores),
+            "written": False, "schemes": plan.schemes(), "rotated_units": 0,
+            "units": len(plan.choices), "transform_macs_over_linear": 0.0,
+            "predicted_kl": plan.predicted_kl, "bits_theory": plan.bits}
+
+
 def menu_row(menu_name: str, budget: float, gptq: bool, work: Path,
-             gptq_scores: bool = False, qad: dict | None = None) -> dict:
+             gptq_scores: bool = False, qad: dict | None = None,
+             scores: Path | None = None, model: Path | None = None) -> dict:
     """``quantize`` of the bundled model with the menu ``menu_name`` at ``budget`` bits
     (``gptq_scores``: planned from the scores after GPTQ, ``--gptq --gptq-scores``;
-    ``qad``: DistillSettings' fields, QAD after GPTQ)."""
+    ``qad``: DistillSettings' fields, QAD after GPTQ; ``scores``: planned from that
+    report, ``--sensitivity``; ``model``: this model's folder instead of the bundled one)."""
     from fp4sense.api import quantize_model
     from fp4sense.numerics.schemes import get_scheme
     from fp4sense.quantization.distill import DistillSettings
 
+    if scores is not None and (row := unwritten_plan(menu_name, budget, scores)):
+        return row
     t = time.perf_counter()
-    r = quantize_model(None, out_dir=work, budget_bits=budget, menu=MENUS[menu_name],
+    r = quantize_model(str(model) if model else None, out_dir=work, budget_bits=budget,
+                       menu=MENUS[menu_name],
                        scale_search=menu_name not in AS_GIVEN, gptq=gptq,
                        gptq_scores=gptq_scores, distill=DistillSettings(**qad) if qad else None,
-                       overwrite=True, progress=False, log=log)
+                       sensitivity=scores, overwrite=True, progress=False, log=log)
     plan = json.loads((work / "plan.json").read_text())
     units = {f"{u['block']}:{u['kind']}": u  # the unit's input width, from the report
              for u in json.loads((work / "sensitivity.json").read_text())["units"]["units"]}
@@ -124,13 +158,23 @@ def menu_row(menu_name: str, budget: float, gptq: bool, work: Path,
                            "rollbacks": len(record["rollbacks"]),
                            "holdout": record.get("holdout")}}
     return {"menu": menu_name, "budget": budget, "gptq": gptq, "gptq_scores": gptq_scores,
-            **trained,
+            **trained, **({"scores_from": relative(scores)} if scores else {}),
             "wall_s": round(time.perf_counter() - t, 1), "schemes": r["plan"]["schemes"],
             "rotated_units": rotated, "units": len(plan["choices"]),
             "transform_macs_over_linear": macs / linear,
             "predicted_kl": r["plan"]["predicted_kl"], "timings": r["timings"],
             **{k: e[k] for k in ("effective_bits", "kl", "kl_se", "ppl", "top1")},
             "folder": relative(work)}
+
+
+def moe_model(work: Path) -> Path:
+    """The MoE bench model's sparse variant, built into ``work`` once."""
+    from bench.smollm2_moe import build
+
+    folder = work / f"smollm2-moe-top{MOE_TOP_K}"
+    if not (folder / "config.json").is_file():
+        build(folder, MOE_TOP_K)
+    return folder
 
 
 def transform_cost(scheme: str) -> dict:
@@ -170,11 +214,16 @@ def markdown(result: dict) -> str:
             continue
         method = ("plan + GPTQ" if r["gptq"] else "plan RTN") + (
             f" + {r['qad']['mode']} QAD" if r.get("qad") else "") + (
-            ", scores after GPTQ" if r.get("gptq_scores") else "")
+            ", scores after GPTQ" if r.get("gptq_scores") else "") + (
+            f", scores of `{r['scores_from']}`" if r.get("scores_from") else "")
+        measured = (f"{r['effective_bits']:.3f} | {r['kl']:.4f} ± {r['kl_se']:.4f} | "
+                    f"{r['ppl']:.2f} | {r['top1']:.3f}" if r.get("written", True) else
+                    f"{r['bits_theory']:.3f} (plan) | = the plain menu's plan (predicted "
+                    f"{r['predicted_kl']:.4f}), not written | |")
+        if r.get("model"):
+            method += f" ({r['model']})"
         lines.append(f"| {' / '.join(MENUS[r['menu']])} | {r['budget']} | "
-                     f"{method} | {r['effective_bits']:.3f} | "
-                     f"{r['kl']:.4f} ± {r['kl_se']:.4f} | {r['ppl']:.2f} | {r['top1']:.3f} | "
-                     f"{r['rotated_units']} of {r['units']} | "
+                     f"{method} | {measured} | {r['rotated_units']} of {r['units']} | "
                      f"{r['transform_macs_over_linear']:.4f} |")
     if isinstance(result.get("verify_vllm"), dict):
         lines += ["", "`fp4sense verify-vllm` (`--verify`): " + ", ".join(
@@ -190,6 +239,11 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--work", type=Path, default=RESULTS / ".rotation")
     ap.add_argument("--gptq-scores", action="store_true", help="the menu part plans from "
                     "the scores after GPTQ (quantize --gptq --gptq-scores), GPTQ rows only")
+    ap.add_argument("--model", choices=list(MODELS), default="smollm2", help="the menu "
+                    "part's model: the bundled SmolLM2 or the MoE bench model (top-"
+                    f"{MOE_TOP_K} of 8 experts)")
+    ap.add_argument("--scores", type=Path, metavar="FILE", help="the menu part plans from "
+                    "the scores in FILE (an earlier row's sensitivity.json), GPTQ rows only")
     ap.add_argument("--qad", type=int, metavar="STEPS", help="the menu part's GPTQ rows "
                     "also train (QAD after GPTQ) for STEPS steps")
     ap.add_argument("--qad-lr", type=float, default=5e-4, help="QAD learning rate")
@@ -224,39 +278,50 @@ def run(args: argparse.Namespace) -> int:
     if "uniform" in parts:
         jobs += [(f"uniform {s}", uniform_row, (s, False)) for s in UNIFORM]
         jobs += [(f"uniform {s} + GPTQ", uniform_row, (s, True)) for s in ("MXFP4", "MXFP4_H32")]
+    moe = MODELS[args.model]
+    if moe and set(parts) - {"menu", "none"}:
+        raise SystemExit("python -m bench rotation: --model smollm2-moe runs the menu part "
+                         "only (--parts menu)")
     if "menu" in parts:  # the menus with rotations first, then the plain ones
         budgets = [float(x) for x in args.budgets.split(",")]
         order = [m for m in MENUS if "+H" in m] + [m for m in MENUS if "+H" not in m]
-        for g in (True,) if args.gptq_scores or args.qad else (True, False):
+        if args.scores and args.gptq_scores:
+            raise SystemExit("python -m bench rotation: --scores gives the scores "
+                             "--gptq-scores would estimate: drop one")
+        for g in (True,) if args.gptq_scores or args.qad or args.scores else (True, False):
             for m in [m for m in order if m in menus]:
                 for b in budgets if m.startswith("W4A4") else [MX_BUDGET]:
-                    name = (f"{m} @ {b}{' + GPTQ' if g else ''}"
+                    name = (f"{f'{moe}: ' if moe else ''}{m} @ {b}{' + GPTQ' if g else ''}"
                             f"{f' + {args.qad_mode} QAD {args.qad}' if args.qad else ''}"
-                            f"{', scores after GPTQ' if args.gptq_scores else ''}")
+                            f"{', scores after GPTQ' if args.gptq_scores else ''}"
+                            f"{f', scores of {args.scores.parent.name}' if args.scores else ''}")
                     jobs.append((name, menu_row, (m, b, g)))
     if "uniform" in parts:
         jobs += [(f"uniform {s} + GPTQ", uniform_row, (s, True)) for s in ("NVFP4", "NVFP4_H16")]
     menu_extra = {"gptq_scores": args.gptq_scores,
                   "qad": {"steps": args.qad, "lr": args.qad_lr, "mode": args.qad_mode}
-                  if args.qad else None}
+                  if args.qad else None, "scores": args.scores,
+                  "model": moe_model(args.work) if moe else None}
     for name, fn, fn_args in jobs:
         if name in result["rows"]:
             continue
         log(f"== {name}")
         folder = args.work / name.replace(" ", "").replace("@", "-").replace("+", "_").replace(
-            ",", "_")
+            ",", "_").replace(":", "_")
         t = time.perf_counter()
         row = fn(*fn_args, folder, **(menu_extra if fn is menu_row else {}))
         row["row_s"] = round(time.perf_counter() - t, 1)
         row["command"] = result["command"]
+        if moe and fn is menu_row:
+            row["model"] = moe
         result["rows"][name] = row
         _save(result)
-        log(json.dumps({name: {k: row[k] for k in ("kl", "kl_se", "effective_bits")}}))
+        log(json.dumps({name: {k: row.get(k) for k in ("kl", "kl_se", "effective_bits")}}))
     if args.verify:
         # the rotated rows whose checkpoints are still on disk and not verified before
         said = result.get("verify_vllm") if isinstance(result.get("verify_vllm"), dict) else {}
         rotated = [RESULTS / r["folder"] for r in result["rows"].values()
-                   if ("_H" in r.get("scheme", "") or r.get("rotated_units"))
+                   if ("_H" in r.get("scheme", "") or r.get("rotated_units")) and "folder" in r
                    and (RESULTS / r["folder"]).is_dir()
                    and Path(r["folder"]).name not in said]
         verdicts, tail = harness.verify_vllm(rotated)

@@ -20,7 +20,7 @@ import json
 import re
 from pathlib import Path
 
-from bench.harness import RESULTS
+from bench.harness import RESULTS, plain_menu
 
 DEFAULT = ["stack.json", "stack_block.json", "stack_block_w4a4.json",
            "gptq_scores_weight_only.json", "gptq_scores_W4A4.json", "stack_rounding.json",
@@ -54,16 +54,21 @@ def rows_of(path: Path) -> list[dict]:
 def rotation_rows(rows: dict) -> list[dict]:
     """`bench/rotation.py`'s rows (checkpoints), under the menu of their FP4 format: a
     uniform row by its scheme (a plain one is the menu's own ``uniform`` row), a plan row
-    by its rotated menu's name."""
+    under its rotated menu's plain menu (the same FP4 format and activations); a plan that
+    rotates no unit (not written) is the plain menu's own row."""
     out = []
     for name, r in rows.items():
+        if not r.get("written", True) or r.get("model"):  # a plan that rotates nothing is
+            continue  # the plain menu's; another model than SmolLM2 is not in this table
         if "menu" in r:
-            menu = "W4A4" if r["menu"].startswith("W4A4") else "MX"
+            menu = plain_menu(r["menu"])
             method = (f"plan + {'GPTQ' if r['gptq'] else 'RTN'}"
                       + (f" + {r['qad']['mode']} QAD" if r.get("qad") else "")
                       + f", rotations ({r['menu']}, {r['rotated_units']} "
                       f"unit{'' if r['rotated_units'] == 1 else 's'})"
-                      + (", after-GPTQ scores" if r.get("gptq_scores") else ""))
+                      + (", after-GPTQ scores" if r.get("gptq_scores") else "")
+                      + (f", scores of {Path(r['scores_from']).parent.name}"
+                         if r.get("scores_from") else ""))
             column = f"{r['budget']:g}"
         else:
             menu = "W4A4" if r["scheme"].startswith("NVFP4") else "MX"

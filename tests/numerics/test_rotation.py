@@ -260,9 +260,13 @@ def test_qad_after_gptq_trains_a_rotated_plan(tiny_llama, text_file, tmp_path):
     record = json.loads((out / "distill.json").read_text())
     assert record["start"] == "after GPTQ, under its scales"
     assert record["loss_after"] < record["loss_before"]
-    # the stored codes move (FP8's finer grid first), the scales are GPTQ's
+    # the stored codes move, the rotated FP4 ones too (q_proj is pinned to MXFP4_H32);
+    # the scales are GPTQ's
     codes = [k for k in gptq if k.endswith(("weight_packed", "proj.weight"))]
     assert codes and any(not torch.equal(trained[k], gptq[k]) for k in codes)
+    rotated = [k for k in codes if "q_proj" in k]
+    assert rotated and all(k.endswith("weight_packed") for k in rotated)
+    assert any(not torch.equal(trained[k], gptq[k]) for k in rotated)
     scales = [k for k in gptq if k.endswith(("weight_scale", "weight_global_scale"))]
     assert scales and all(torch.equal(trained[k], gptq[k]) for k in scales)
 

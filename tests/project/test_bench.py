@@ -94,3 +94,21 @@ def test_resumable_records_skip_a_torn_line(tmp_path):
         fh.write('{"key": "b", "kl"')  # a run stopped mid-write
     again = harness.Done(tmp_path / "rows.jsonl")
     assert dict(again) == {"a": {"key": "a", "kl": 0.5}}
+
+
+def test_rotation_rows_go_under_their_plain_menu():
+    """A rotated menu's row is tabled under the plain menu of its FP4 format; a plan that
+    rotates nothing (not written) and another model's row stay out of SmolLM2's table."""
+    from bench.stack_table import rotation_rows
+
+    assert {n: harness.plain_menu(n) for n in harness.ROTATED_MENUS} == {
+        "W4A4+H": "W4A4", "MX+H": "MX", "W4A4+H16s": "W4A4", "MX+H32": "MX"}
+    assert all(harness.plain_menu(n) == n for n in harness.MENUS)
+    row = {"menu": "MX+H32", "budget": 4.95, "gptq": True, "rotated_units": 3, "kl": 0.2,
+           "kl_se": 0.01, "effective_bits": 4.9, "wall_s": 70.0, "timings": {"eval_s": 60.0}}
+    rows = {"written": row, "plan only": {**row, "written": False},
+            "moe": {**row, "model": "SmolLM2-MoE top-6"}}
+    [tabled] = rotation_rows(rows)
+    assert (tabled["menu"], tabled["source"], tabled["column"]) == ("MX", "written", "4.95")
+    assert tabled["method"] == "plan + GPTQ, rotations (MX+H32, 3 units)"
+    assert tabled["wall_s"] == 10.0

@@ -153,7 +153,6 @@ def test_quantize_with_distill_writes_the_usual_checkpoint_and_its_recipe_reprod
     """`fp4sense quantize --distill` trains inside the oneshot (the QAD modifier after the
     planner), writes the same kind of checkpoint with the training recorded, keeps no
     state once done, and its recipe.yaml alone writes the same tensors again."""
-    import json
     import subprocess
 
     import yaml
@@ -196,7 +195,6 @@ def test_qad_after_gptq_starts_from_gptqs_rounding_and_ends_on_its_grid(
     too small to move a float32 weight) its checkpoint is GPTQ's, bit for bit; trained,
     it lowers the KL it starts from (GPTQ's model) and changes the stored codes, not the
     scales."""
-    import json
     import subprocess
 
     import yaml
