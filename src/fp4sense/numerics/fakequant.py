@@ -152,12 +152,13 @@ def searched_scales(
     importance: Sequence[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
     """The block scales a ``*_SEARCH`` scheme's search picks for ``weights`` (the parts
-    of one unit, as :func:`quantize_weights` takes them), one per part."""
+    of one unit, as :func:`quantize_weights` takes them), one per part; a rotated
+    scheme's for the rotated weights (``W R``), as it quantizes them."""
     s = get_scheme(scheme)
     if not s.scale_search:
         raise ValueError(f"{s.name} does not search its block scales")
     fmt = formats.get_format(s.weight_format)
-    ws = [w.detach().to(dtype) for w in weights]
+    ws = [_prepared(w, dtype, s.rotation) for w in weights]
     return _search(ws, fmt, formats.global_scale(*ws) if fmt.has_global_scale else None,
                    importance)
 

@@ -23,18 +23,12 @@ __all__ = ["best_plans", "check_menu", "check_quantizes", "measure_on", "select_
            "select_on_calibration"]
 
 
-def check_menu(menu, *, distill: bool = False, gptq: bool = False) -> None:
-    """``--menu`` holds at least one scheme that quantizes, and no rotated one where a
-    step cannot take it (checked before the model loads): QAD trains rotated units only
-    after GPTQ, once the rotation is in the model."""
+def check_menu(menu) -> None:
+    """``--menu`` holds at least one scheme that quantizes (checked before the model
+    loads)."""
     if not any(get_scheme(s).quantizes for s in menu):
         raise PlanError(f"--menu {','.join(menu)} has no scheme that quantizes, so nothing "
                         "would be quantized; add one (e.g. --menu NVFP4,FP8_DYNAMIC,BF16)")
-    rotated = [get_scheme(s).name for s in menu if get_scheme(s).rotation]
-    if rotated and distill and not gptq:
-        raise PlanError(f"--menu {','.join(rotated)}: --distill trains rotated schemes only "
-                        "after GPTQ (the rotation enters the model when calibration starts); "
-                        "add --gptq, or drop --distill or the rotated schemes")
 
 
 def check_quantizes(plan: Plan, objective: dict, lo: float, hi: float, numel: int,

@@ -10,6 +10,9 @@ forward pass computes with the plan's formats:
   round with them in between (a search costs about twenty plain quantizations);
 - W4A4 / W8A8 units also fake-quantize their inputs (NVFP4's static input global scale
   from the base model's input maxima on the same windows), straight through;
+- a rotated scheme's unit (``NVFP4_H16``, ``MXFP4_H32``) computes ``Q(x R) Q(W R)^T``
+  as the checkpoint will (before calibration the training rotates, its input maxima and
+  E[x^2] are the rotated input's; after GPTQ the host's rotation is in the model);
 - the loss is KL(base || quantized) per token, the base log-probs computed once (bf16,
   in memory) before training;
 - only the quantized units' weights train (BF16 units, norms, embeddings stay as they
@@ -56,6 +59,7 @@ from torch.nn.utils import parametrize
 
 from fp4sense.diagnosis.blockio import no_cache
 from fp4sense.diagnosis.units import UnitMap
+from fp4sense.numerics.rotation import rotate_input
 from fp4sense.numerics.schemes import get_scheme
 from fp4sense.quantization.blockwise import BlockTargets, record_blocks, train_blocks
 from fp4sense.quantization.distill_settings import MODES, DistillError, DistillSettings
@@ -123,7 +127,8 @@ def distill(model: torch.nn.Module, units: UnitMap, schemes: dict[str, str],
             p.requires_grad_(False)
         t0 = time.perf_counter()
         if base is None:
-            base = _base_pass(model, data, modules, names, _blocks_of(model, units, settings))
+            base = _base_pass(model, data, modules, names, _blocks_of(model, units, settings),
+                              _rotations(units, schemes))
         if settings.mode == "block" and base.blocks is None:
             raise DistillError("block-wise distillation needs the base pass's block outputs; "
                                "take it with base_pass(...) under the same settings")
@@ -179,7 +184,7 @@ def base_pass(model: torch.nn.Module, units: UnitMap, schemes: dict[str, str],
     data = _split(windows, settings).to(next(model.parameters()).device)
     with _float32(model):
         got = _base_pass(model, data, dict(model.named_modules()), names,
-                         _blocks_of(model, units, settings))
+                         _blocks_of(model, units, settings), _rotations(units, schemes))
     got.teacher = [t.cpu() for t in got.teacher]
     return got
 
@@ -211,6 +216,12 @@ def trained_linears(units: UnitMap, schemes: dict[str, str]) -> list[str]:
     return [m for u, _ in _trained(units, schemes) for m in u.modules]
 
 
+def _rotations(units: UnitMap, schemes: dict[str, str]) -> dict[str, int]:
+    """linear -> the width of its scheme's rotation, for the rotated ones."""
+    return {m: s.rotation for u, s in _trained(units, schemes) if s.rotation
+            for m in u.modules}
+
+
 def _trained(units: UnitMap, schemes: dict[str, str]):
     by_name = units.by_name()
     unknown = sorted(set(schemes) - set(by_name))
@@ -240,16 +251,20 @@ def _float32(model: torch.nn.Module):
 
 
 @torch.no_grad()
-def _base_pass(model, data, modules, names, blocks=None):
-    """Base log-probs per window (bf16), each linear's input max and E[x^2]; with
-    ``blocks``, what block-wise training replays (:func:`record_blocks`)."""
+def _base_pass(model, data, modules, names, blocks=None, rotations=None):
+    """Base log-probs per window (bf16), each linear's input max and E[x^2] (of the
+    rotated input for a linear in ``rotations``: linear -> width); with ``blocks``, what
+    block-wise training replays (:func:`record_blocks`)."""
     absmax = {m: 0.0 for m in names}
     sq: dict[str, torch.Tensor] = {}
     rows = {m: 0 for m in names}
+    rotations = rotations or {}
 
     def hook(name):
         def pre(_module, args):
             x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+            if name in rotations:
+                x = rotate_input(x, rotations[name])
             absmax[name] = max(absmax[name], float(x.abs().max()))
             sq[name] = x.square().sum(0) + sq.get(name, 0)
             rows[name] += x.shape[0]

@@ -149,7 +149,7 @@ class QuantizeRequest:
             budget_bits=budget_bits, budget_bytes=budget_bytes, kl_target=kl_target,
             menu=menu, pins=pins, sensitivity=sensitivity, sensitivity_mode=sensitivity_mode,
             scale_search=scale_search, select_plans=select_plans)
-        check_menu(list(objective.menu), distill=distill is not None, gptq=gptq)
+        check_menu(list(objective.menu))
         objective.check()
         placement = resolve(device, dtype, log=log)
         output.check_lineage()

@@ -2,7 +2,14 @@
 is ``W + (Q(W) - W)`` with the difference held constant (the forward computes with the
 quantized weight, the gradient reaches the float32 master weight as is), and W4A4 / W8A8
 inputs the same; a quantizer refreshes the differences from the current weights (see
-:mod:`fp4sense.quantization.distill`)."""
+:mod:`fp4sense.quantization.distill`).
+
+A rotated scheme trained before calibration (``NVFP4_H16``: the rotation is not in the
+model yet) computes ``Q(x R) Q(W R)^T`` the same way, in the rotated basis: the weight is
+``W R + (Q(W R) - W R)`` and the input ``x R + (Q(x R) - x R)``, with ``W R`` and ``x R``
+differentiable, so the gradient reaches the master weight, kept in the model's own
+basis, through the rotation (the oneshot then rotates the trained weights as usual).
+"""
 
 from __future__ import annotations
 
@@ -13,30 +20,39 @@ from torch.nn.utils import parametrize
 
 from fp4sense.diagnosis.units import quantize_unit, unit_scales
 from fp4sense.numerics.fakequant import activation_quantizer
+from fp4sense.numerics.rotation import rotate_input, rotate_weight
 
 __all__ = ["FrozenRefresher", "Refresher", "install"]
 
 
 class _StraightThrough(torch.nn.Module):
     """weight -> weight + delta, delta = Q(weight) - weight held constant: the forward
-    computes with the quantized weight, the gradient reaches the master weight as is."""
+    computes with the quantized weight, the gradient reaches the master weight as is.
+    With ``rotation``: ``W R`` in place of the weight (the gradient through ``R``)."""
 
-    def __init__(self):
+    def __init__(self, rotation: int | None = None):
         super().__init__()
         self.delta: torch.Tensor | None = None
+        self.rotation = rotation
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.rotation is not None:
+            weight = rotate_weight(weight, self.rotation)
         return weight if self.delta is None else weight + self.delta
 
 
 def install(modules, trained, absmax, inputs: dict[str, Callable] | None):
     """Straight-through weights and inputs (``inputs``: fixed-scale input quantizers, per
-    linear, instead of fp4sense's own); returns the trainable weights and hooks."""
+    linear, instead of fp4sense's own: the host's, after its calibration, which has put
+    any rotation into the model already); returns the trainable weights and hooks. A
+    rotated scheme under fp4sense's own quantizers rotates here (``absmax``: of the
+    rotated input)."""
     params, hooks = [], []
     for unit, scheme in trained:
+        rotation = scheme.rotation if inputs is None else None
         for m in unit.modules:
             mod = modules[m]
-            parametrize.register_parametrization(mod, "weight", _StraightThrough(),
+            parametrize.register_parametrization(mod, "weight", _StraightThrough(rotation),
                                                  unsafe=True)
             weight = mod.parametrizations.weight.original
             weight.requires_grad_(True)
@@ -44,10 +60,21 @@ def install(modules, trained, absmax, inputs: dict[str, Callable] | None):
             quantize_input = (inputs.get(m) if inputs is not None
                               else activation_quantizer(scheme, absmax[m] or None))
             if quantize_input is not None:
-                hooks.append(mod.register_forward_pre_hook(
-                    lambda _m, args, q=quantize_input: (
-                        args[0] + (q(args[0].detach()) - args[0]).detach(), *args[1:])))
+                hooks.append(mod.register_forward_pre_hook(_input(quantize_input, rotation)))
     return params, hooks
+
+
+def _input(quantize: Callable, rotation: int | None):
+    """The straight-through input: ``x + (Q(x) - x)``, or with ``rotation`` ``x R + (Q(x R)
+    - x R)`` (``quantize`` rotates its input itself, as a rotated scheme's quantizer does;
+    the gradient reaches ``x`` through ``R``)."""
+
+    def pre(_module, args):
+        x = args[0]
+        seen = x if rotation is None else rotate_input(x, rotation)
+        return (seen + (quantize(x.detach()) - seen).detach(), *args[1:])
+
+    return pre
 
 
 class Refresher:
@@ -74,8 +101,9 @@ class Refresher:
                 kept = [self.scales[m] for m in unit.modules]
             qs = quantize_unit(scheme.name, unit, ws, importance=imps, block_scales=kept,
                                dtype=self.dtype)
-            for mod, w, q in zip(mods, ws, qs, strict=True):
-                mod.parametrizations.weight[0].delta = (q.to(w.dtype) - w).detach()
+            for mod, w, q in zip(mods, ws, qs, strict=True):  # q: in the rotated basis
+                seen = w if scheme.rotation is None else rotate_weight(w, scheme.rotation)
+                mod.parametrizations.weight[0].delta = (q.to(w.dtype) - seen).detach()
 
 
 class FrozenRefresher:

@@ -13,11 +13,14 @@ unquantized model under the attached formats
 - otherwise at initialization, before calibration: calibration and compression then run
   on the trained weights, every scale derived from them as usual.
 
-Rotated linears (a plan's ``NVFP4_H16`` units, QuIP / SpinQuant) train after GPTQ only:
-by then compressed-tensors has fused the rotation into their weights and rotates their
-inputs in a hook that runs before the training's own, so the training computes
-``Q(x R) Q(W R)^T`` as the checkpoint will. Before calibration the rotation is not in
-the model yet, and such a stage is refused.
+Rotated linears (a plan's ``NVFP4_H16`` units) train as the checkpoint computes them,
+``Q(x R) Q(W R)^T``: after GPTQ, compressed-tensors has fused the rotation into their
+weights and rotates their inputs in a hook that runs before the training's own; before
+calibration the rotation is not in the model yet, so the training applies the plan's
+rotations itself (the plan of the stage's ``SensitivityGuidedModifier``), and the
+oneshot rotates the trained weights afterwards. llm-compressor's QuIP / SpinQuant
+transforms, which fp4sense does not compute, train after GPTQ only: before calibration
+such a stage is refused.
 
 Either way the checkpoint is the one a plain recipe writes::
 
@@ -118,12 +121,16 @@ class QuantizationAwareDistillationModifier(Modifier):
         units = find_units(model, windows[:1, :16])
         schemes = _attached_schemes(model, units)
         after_gptq = _after_gptq(self)
-        rotating = None if after_gptq else _rotating()
-        if rotating:
-            raise DistillError("QuantizationAwareDistillationModifier: the stage rotates "
-                               f"linears ({rotating}), which enter the model when "
-                               "calibration starts; QAD trains rotated linears only after "
-                               "GPTQ: put a GPTQModifier before it, or drop the rotations")
+        if not after_gptq:  # the rotations enter the model when calibration starts
+            transform = _transforming()
+            if transform:
+                raise DistillError(
+                    "QuantizationAwareDistillationModifier: the stage transforms linears "
+                    f"({transform}) when calibration starts, which fp4sense's training "
+                    "cannot compute before; put a GPTQModifier before it (QAD then trains "
+                    "after GPTQ, the transforms in the model), or use a plan's rotated "
+                    "schemes (NVFP4_H16, MXFP4_H32, ...) instead")
+            schemes.update(_planned_rotations())
         key = f"{model_fingerprint(model)}:{sorted(schemes.items())}:{after_gptq}"
         args = (model, units, schemes, windows, settings)
         with self._on_device(model):
@@ -168,17 +175,29 @@ def _after_gptq(modifier: Modifier) -> bool:
     return any(type(m).__name__ == "GPTQModifier" for m in before)
 
 
-def _rotating() -> str | None:
-    """The modifier of the recipe being applied that rotates linears when calibration
-    starts (a SensitivityGuidedModifier whose plan rotates units, llm-compressor's QuIP /
-    SpinQuant modifiers), if any."""
-    for m in active_session().lifecycle.recipe.modifiers:
-        name = type(m).__name__
-        plan = getattr(m, "applied_plan", None) if name == "SensitivityGuidedModifier" else None
-        if name in ("QuIPModifier", "SpinQuantModifier") or (
-                plan is not None and any(get_scheme(c.scheme).rotation for c in plan.choices)):
-            return name
-    return None
+def _modifiers():
+    return active_session().lifecycle.recipe.modifiers
+
+
+def _transforming() -> str | None:
+    """The modifier of the recipe being applied that transforms linears when calibration
+    starts with transforms fp4sense does not compute (llm-compressor's QuIP / SpinQuant
+    modifiers), if any."""
+    return next((type(m).__name__ for m in _modifiers()
+                 if type(m).__name__ in ("QuIPModifier", "SpinQuantModifier")), None)
+
+
+def _planned_rotations() -> dict[str, str]:
+    """unit -> rotated scheme, for the units the stage's SensitivityGuidedModifier plans
+    rotated (the schemes it attaches are the unrotated ones; it rotates at calibration)."""
+    out: dict[str, str] = {}
+    for m in _modifiers():
+        plan = (getattr(m, "applied_plan", None)
+                if type(m).__name__ == "SensitivityGuidedModifier" else None)
+        if plan is not None:
+            out.update({c.unit: c.scheme for c in plan.choices
+                        if get_scheme(c.scheme).rotation})
+    return out
 
 
 def frozen_quantizers(model: torch.nn.Module, names) -> Frozen:
