@@ -124,6 +124,12 @@ def test_the_estimate_is_the_rotated_checkpoint_bit_for_bit(family, assets, text
     calib = analysis_windows(tok, text_file, 4, 64)
     units = find_units(model, calib[:1, :16])
     modules = dict(model.named_modules())
+    # Qwen2's q/k/v add a bias, which vLLM's transforms do not serve: they stay BF16
+    biased = {u.name for u in units.units if u.bias}
+    assert biased == ({u.name for u in units.units if "q_proj" in u.kind}
+                      if family == "qwen2" else set())
+    assert all("bias" in units.by_name()[u].why_infeasible("NVFP4_H16") for u in biased)
+    taking = [u for u in units.units if u.name not in biased]
     for scheme in ("NVFP4_H16", "MXFP4_H32", "NVFP4A16_H128"):
         width = get_scheme(scheme).rotation
         work = tmp_path / scheme
@@ -135,7 +141,8 @@ def test_the_estimate_is_the_rotated_checkpoint_bit_for_bit(family, assets, text
             ("input", False), ("weight_input", True)]
         served, _, notes = load_checkpoint(work, dtype=torch.float32)
         assert any("rotate their inputs online" in n for n in notes)
-        for unit in units.units:
+        assert set(transform_targets(base, config)) == {m for u in taking for m in u.modules}
+        for unit in taking:
             fake = quantize_unit(scheme, unit, [modules[m].weight.data for m in unit.modules],
                                  out_dtype=torch.bfloat16, dtype=torch.float32,
                                  scale_dtype=torch.bfloat16)
@@ -150,7 +157,7 @@ def test_the_estimate_is_the_rotated_checkpoint_bit_for_bit(family, assets, text
             stored = getattr(served.get_submodule(m), "input_global_scale", None)
             if stored is not None:  # (its windows ran through the quantized blocks before)
                 stats[f"absmax_h{width}"] = _amax_giving(stored)
-        with torch.no_grad(), run.applied({m: (u, scheme) for u in units.units
+        with torch.no_grad(), run.applied({m: (u, scheme) for u in taking
                                            for m in u.modules}):
             ours = model(input_ids=calib[:2]).logits
         theirs = served(input_ids=calib[:2]).logits
@@ -395,26 +402,48 @@ def test_the_cpu_hadamard_kernel_is_vllms_op(serve_python):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "qwen2_moe"])
 def test_a_rotated_checkpoint_passes_verify_vllm(family, assets, text_file, tmp_path,
                                                  serve_python):
     """vLLM (CPU, with the plugin) serves a rotated checkpoint as transformers computes
-    it, dense and MoE (the experts are not rotated: vLLM's fused MoE takes no transform)."""
+    it, dense and MoE (the experts are not rotated: vLLM's fused MoE takes no transform;
+    nor are Qwen2's biased q/k/v: vLLM's transforms serve no bias)."""
     base = make_family_model(family, tmp_path / family, assets["model"])
     out = tmp_path / "q"
+    biased = family == "qwen2_moe"
+    pins = ["--pin", r".*self_attn\.o_proj=MXFP4_H32"] + (
+        [] if biased else ["--pin", r".*self_attn\.q_proj=NVFP4_H16"])
     proc = subprocess.run([FP4SENSE, "quantize", str(base), "--budget", "4.6", "--menu",
-                           "NVFP4,NVFP4_H16,MXFP4_H32", "--no-scale-search", "--pin",
-                           r".*self_attn\.q_proj=NVFP4_H16", "--pin",
-                           r".*self_attn\.o_proj=MXFP4_H32", "--out", str(out), "--text",
-                           str(text_file), *SMALL, "--no-eval"], capture_output=True, text=True)
+                           "NVFP4,NVFP4_H16,MXFP4_H32", "--no-scale-search", *pins,
+                           "--out", str(out), "--text", str(text_file), *SMALL, "--no-eval"],
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads((out / "config.json").read_text())["quantization_config"][
-        "transform_config"]
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    rotated = transform_targets(base, config)
+    assert any(m.endswith("o_proj") for m in rotated)
+    assert not any(".experts." in m for m in rotated)
+    assert any(m.endswith("q_proj") for m in rotated) != biased
     proc = subprocess.run([FP4SENSE, "verify-vllm", str(out), "--windows", "1", "--tokens",
                            "128", "--serve-python", str(serve_python), "--json"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     assert json.loads(proc.stdout)["passed"]
+
+
+def test_a_rotated_pin_on_a_biased_unit_is_refused(assets, text_file, tmp_path):
+    """Qwen2's q/k/v add a bias; vLLM's transforms serve none, so pinning them to a
+    rotated scheme is one clear line naming the unit and why, and nothing is written."""
+    base = make_family_model("qwen2", tmp_path / "qwen2", assets["model"])
+    proc = subprocess.run([FP4SENSE, "quantize", str(base), "--budget", "4.6", "--menu",
+                           "NVFP4,NVFP4_H16", "--pin", r".*self_attn\.q_proj=NVFP4_H16",
+                           "--out", str(tmp_path / "q"), "--text", str(text_file), *SMALL,
+                           "--no-eval"], capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("fp4sense: error: unit 0:self_attn.q_proj+k_proj+v_proj is "
+                           "pinned to NVFP4_H16, but vLLM's transforms serve no linear with "
+                           "a bias"), line
+    assert not (tmp_path / "q").exists()
 
 
 def test_the_analysis_says_where_a_rotation_pays(tiny_llama, text_file, tmp_path):

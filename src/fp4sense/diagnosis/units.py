@@ -64,6 +64,7 @@ class Unit:
     in_each: tuple[int, ...] = ()
     parts: tuple[tuple[int, ...], ...] = ()
     experts: int = 0
+    bias: bool = False  # a linear of the unit adds a bias (Qwen2's q/k/v)
 
     @property
     def name(self) -> str:
@@ -98,6 +99,8 @@ class Unit:
         if s.rotation and self.experts:
             return ("vLLM applies no input transform to fused MoE experts, so they take no "
                     "rotated scheme")
+        if s.rotation and self.bias:
+            return "vLLM's transforms serve no linear with a bias: no rotated scheme here"
         need = s.block_size
         for width in dict.fromkeys(self.inputs):
             if need and width % need:
@@ -107,7 +110,7 @@ class Unit:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for key in ("in_each", "parts", "experts"):  # dense units: as before
+        for key in ("in_each", "parts", "experts", "bias"):  # dense units: as before
             if not d[key]:
                 d.pop(key)
         return d
@@ -116,7 +119,8 @@ class Unit:
     def from_dict(cls, d: dict) -> Unit:
         return cls(d["block"], d["kind"], tuple(d["modules"]), d["in_features"],
                    tuple(d["out_features"]), tuple(d.get("in_each", ())),
-                   tuple(tuple(p) for p in d.get("parts", ())), d.get("experts", 0))
+                   tuple(tuple(p) for p in d.get("parts", ())), d.get("experts", 0),
+                   d.get("bias", False))
 
 
 @dataclass
@@ -250,7 +254,8 @@ def find_units(model: torch.nn.Module, sample: torch.Tensor | None = None) -> Un
             if len(ins) != 1:  # pragma: no cover - same input implies same width
                 raise UnitError(f"block {index}: {rels} share an input of different widths")
             mine.append(Unit(index, _kind(rels), tuple(f"{prefix}.{r}" for r in rels),
-                             ins.pop(), tuple(m.out_features for m in mods)))
+                             ins.pop(), tuple(m.out_features for m in mods),
+                             bias=any(m.bias is not None for m in mods)))
         order = {f"{prefix}.{rel}": i for i, (rel, _) in enumerate(block.named_modules())}
         units += sorted(mine, key=lambda u: order[u.modules[0]])  # as the block holds them
     outside = sorted(n for n in linear_names.values() if n not in in_blocks)
