@@ -66,8 +66,7 @@ def rotation_rows(rows: dict) -> list[dict]:
             menu = plain_menu(r["menu"])
             method = (f"plan + {'GPTQ' if r['gptq'] else 'RTN'}"
                       + (f" + {r['qad']['mode']} QAD" if r.get("qad") else "")
-                      + f", rotations ({r['menu']}, {r['rotated_units']} "
-                      f"unit{'' if r['rotated_units'] == 1 else 's'})"
+                      + f", rotations ({r['menu']})"
                       + (", after-GPTQ scores" if r.get("gptq_scores") else "")
                       + (f", scores of {Path(r['scores_from']).parent.name}"
                          if r.get("scores_from") else ""))
@@ -79,6 +78,7 @@ def rotation_rows(rows: dict) -> list[dict]:
                 " + GPTQ" if r["gptq"] else " RTN")
             column = "uniform"
         out.append({"menu": menu, "method": method, "column": column, "kl": r["kl"],
+                    **({"rotated": r["rotated_units"]} if "menu" in r else {}),
                     "kl_se": r["kl_se"], "bits": r["effective_bits"], "eval": "checkpoint",
                     "wall_s": r["oneshot_s"] if "oneshot_s" in r else r["wall_s"] - r.get(
                         "timings", {}).get("eval_s", 0.0), "source": name})
@@ -101,7 +101,8 @@ def merge(paths: list[Path]) -> dict[str, dict[tuple[str, str], dict]]:
 def cell(r: dict) -> str:
     where = "ckpt" if r["eval"] == "checkpoint" else "mem"
     wall = f", {r['wall_s']:.0f} s" if r["eval"] == "checkpoint" and r.get("wall_s") else ""
-    return f"{r['kl']:.4f}<br>{r['bits']:.3f} b, {where}{wall}"
+    turned = f", {r['rotated']} rotated" if "rotated" in r else ""
+    return f"{r['kl']:.4f}<br>{r['bits']:.3f} b, {where}{wall}{turned}"
 
 
 def markdown(table: dict, paths: list[Path]) -> str:

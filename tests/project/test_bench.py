@@ -99,7 +99,7 @@ def test_resumable_records_skip_a_torn_line(tmp_path):
 def test_rotation_rows_go_under_their_plain_menu():
     """A rotated menu's row is tabled under the plain menu of its FP4 format; a plan that
     rotates nothing (not written) and another model's row stay out of SmolLM2's table."""
-    from bench.stack_table import rotation_rows
+    from bench.stack_table import cell, rotation_rows
 
     assert {n: harness.plain_menu(n) for n in harness.ROTATED_MENUS} == {
         "W4A4+H": "W4A4", "MX+H": "MX", "W4A4+H16s": "W4A4", "MX+H32": "MX"}
@@ -110,5 +110,6 @@ def test_rotation_rows_go_under_their_plain_menu():
             "moe": {**row, "model": "SmolLM2-MoE top-6"}}
     [tabled] = rotation_rows(rows)
     assert (tabled["menu"], tabled["source"], tabled["column"]) == ("MX", "written", "4.95")
-    assert tabled["method"] == "plan + GPTQ, rotations (MX+H32, 3 units)"
-    assert tabled["wall_s"] == 10.0
+    assert tabled["method"] == "plan + GPTQ, rotations (MX+H32)"
+    assert tabled["wall_s"] == 10.0 and tabled["rotated"] == 3
+    assert cell(tabled) == "0.2000<br>4.900 b, ckpt, 10 s, 3 rotated"
