@@ -288,6 +288,35 @@ def test_qad_before_calibration_trains_in_the_rotated_basis(scheme, tiny_llama, 
         torch.ones(2, first.out_features) @ first.weight.detach(), width))
 
 
+def _untrained_and_trained_qad(tiny_llama, text_file, tmp_path, *rounding):
+    """quantize a plan with q_proj pinned to MXFP4_H32 (``rounding``: e.g. --gptq), then
+    the same with 4 QAD steps, untrained (a learning rate too small to move a float32
+    weight) and trained: the untrained checkpoint is the first bit for bit, and both keep
+    its rotation. Returns (the first's tensors, the trained one's, its folder)."""
+    from safetensors.torch import load_file
+
+    def quantize(name, *extra):
+        out = tmp_path / name
+        proc = subprocess.run([FP4SENSE, "quantize", str(tiny_llama), "--budget", "4.6",
+                               "--menu", "MXFP4,MXFP4_H32,FP8_DYNAMIC", "--no-scale-search",
+                               "--pin", r".*self_attn\.q_proj=MXFP4_H32", "--out", str(out),
+                               "--text", str(text_file), *SMALL, *rounding, *extra,
+                               "--no-eval"], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return out, load_file(out / "model.safetensors"), json.loads(
+            (out / "config.json").read_text())["quantization_config"]["transform_config"]
+
+    qad = ["--distill", "4", "--distill-windows", "2", "--distill-holdout", "0"]
+    _, first, rotation = quantize("first")
+    assert rotation["config_groups"]
+    _, still, still_rotation = quantize("still", *qad, "--distill-lr", "1e-12")
+    assert still_rotation == rotation and still.keys() == first.keys()
+    assert all(torch.equal(still[k], first[k]) for k in first)
+    out, trained, trained_rotation = quantize("trained", *qad, "--distill-lr", "1e-4")
+    assert trained_rotation == rotation
+    return first, trained, out
+
+
 @pytest.mark.slow
 def test_qad_before_calibration_trains_a_rotated_plan(tiny_llama, text_file, tmp_path):
     """--distill with rotated schemes and no GPTQ: untrained (a learning rate too small
@@ -298,25 +327,7 @@ def test_qad_before_calibration_trains_a_rotated_plan(tiny_llama, text_file, tmp
 
     from conftest import rerun_recipe
 
-    def quantize(name, *extra):
-        out = tmp_path / name
-        proc = subprocess.run([FP4SENSE, "quantize", str(tiny_llama), "--budget", "4.6",
-                               "--menu", "MXFP4,MXFP4_H32,FP8_DYNAMIC", "--no-scale-search",
-                               "--pin", r".*self_attn\.q_proj=MXFP4_H32", "--out", str(out),
-                               "--text", str(text_file), *SMALL, *extra, "--no-eval"],
-                              capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return out, load_file(out / "model.safetensors"), json.loads(
-            (out / "config.json").read_text())["quantization_config"]["transform_config"]
-
-    qad = ["--distill", "4", "--distill-windows", "2", "--distill-holdout", "0"]
-    _, rtn, rotation = quantize("rtn")
-    assert rotation["config_groups"]
-    _, still, still_rotation = quantize("still", *qad, "--distill-lr", "1e-12")
-    assert still_rotation == rotation and still.keys() == rtn.keys()
-    assert all(torch.equal(still[k], rtn[k]) for k in rtn)
-    out, trained, trained_rotation = quantize("trained", *qad, "--distill-lr", "1e-4")
-    assert trained_rotation == rotation
+    rtn, trained, out = _untrained_and_trained_qad(tiny_llama, text_file, tmp_path)
     record = json.loads((out / "distill.json").read_text())
     assert record["start"] == "before calibration"
     assert record["loss_after"] < record["loss_before"]
@@ -354,27 +365,8 @@ def test_qad_after_gptq_trains_a_rotated_plan(tiny_llama, text_file, tmp_path):
     """--gptq --distill with rotated schemes: untrained (a learning rate too small to move
     a float32 weight) the checkpoint is the rotated GPTQ checkpoint bit for bit, rotation
     included; trained, the loss it starts from falls and the stored rotation stays."""
-    from safetensors.torch import load_file
-
-    def quantize(name, *extra):
-        out = tmp_path / name
-        proc = subprocess.run([FP4SENSE, "quantize", str(tiny_llama), "--budget", "4.6",
-                               "--menu", "MXFP4,MXFP4_H32,FP8_DYNAMIC", "--no-scale-search",
-                               "--pin", r".*self_attn\.q_proj=MXFP4_H32", "--out", str(out),
-                               "--text", str(text_file), *SMALL, "--gptq", *extra,
-                               "--no-eval"], capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return out, load_file(out / "model.safetensors"), json.loads(
-            (out / "config.json").read_text())["quantization_config"]["transform_config"]
-
-    qad = ["--distill", "4", "--distill-windows", "2", "--distill-holdout", "0"]
-    _, gptq, rotation = quantize("gptq")
-    assert rotation["config_groups"]
-    _, still, still_rotation = quantize("still", *qad, "--distill-lr", "1e-12")
-    assert still_rotation == rotation and still.keys() == gptq.keys()
-    assert all(torch.equal(still[k], gptq[k]) for k in gptq)
-    out, trained, trained_rotation = quantize("trained", *qad, "--distill-lr", "1e-4")
-    assert trained_rotation == rotation
+    gptq, trained, out = _untrained_and_trained_qad(tiny_llama, text_file, tmp_path,
+                                                    "--gptq")
     record = json.loads((out / "distill.json").read_text())
     assert record["start"] == "after GPTQ, under its scales"
     assert record["loss_after"] < record["loss_before"]
