@@ -228,6 +228,8 @@ def markdown(result: dict) -> str:
     if isinstance(result.get("verify_vllm"), dict):
         lines += ["", "`fp4sense verify-vllm` (`--verify`): " + ", ".join(
             f"{name} {verdict}" for name, verdict in result["verify_vllm"].items())]
+    if result.get("verify_note"):  # what a FAIL above comes from, as found
+        lines += ["", result["verify_note"]]
     return "\n".join(lines) + "\n"
 
 
