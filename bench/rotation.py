@@ -23,8 +23,9 @@ Rows (each resumable: a finished row is kept in the results file and skipped):
 
 With ``--model smollm2-moe``: the menu rows on the MoE bench model instead
 (``bench/smollm2_moe.py``, the sparse top-6 of 8 variant, built into ``--work``): its
-attention may rotate, its routed experts take no rotation (vLLM's fused MoE applies no
-input transform), so the plan chooses rotations for attention only.
+attention output and shared experts may rotate; its routed experts take no rotation
+(vLLM's fused MoE applies no input transform), nor do its q/k/v (they add a bias, which
+vLLM's transforms do not serve).
 
 Each row: measured bits (the transform matrices counted), KL ± SE, PPL, top-1, wall time;
 plans also the units they rotate and the online transforms' estimated cost per token
@@ -104,13 +105,18 @@ def uniform_row(scheme: str, gptq: bool, work: Path) -> dict:
 
 def unwritten_plan(menu_name: str, budget: float, scores: Path) -> dict | None:
     """The plan from ``scores`` when it rotates no unit (the plain menu's plan: no
-    checkpoint to write), else None."""
+    checkpoint to write), else None; planned by quantize's own rules (its objective)."""
     from fp4sense.diagnosis.results import SensitivityReport
-    from fp4sense.numerics.schemes import get_scheme, with_search_twins
+    from fp4sense.numerics.schemes import get_scheme
     from fp4sense.planning.milp import solve
+    from fp4sense.quantization.request import Objective
 
-    menu = MENUS[menu_name] if menu_name in AS_GIVEN else with_search_twins(MENUS[menu_name])
-    plan = solve(SensitivityReport.load(scores), budget_bits=budget, menu=menu)
+    objective = Objective.parse(menu=MENUS[menu_name], scale_search=menu_name not in AS_GIVEN,
+                                budget_bits=budget, budget_bytes=None, kl_target=None,
+                                pins=None, sensitivity=scores, sensitivity_mode=None,
+                                select_plans=1)
+    report = SensitivityReport.load(scores)
+    plan = solve(report, menu=objective.menu_for(report)[0], **objective.solver_arguments())
     if any(get_scheme(c.scheme).rotation for c in plan.choices):
         return None
     return {"menu": menu_name, "budget": budget, "gptq": True, "scores_from": relative(scores),
@@ -323,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
         # the rotated rows whose checkpoints are still on disk and not verified before
         said = result.get("verify_vllm") if isinstance(result.get("verify_vllm"), dict) else {}
         rotated = [RESULTS / r["folder"] for r in result["rows"].values()
-                   if ("_H" in r.get("scheme", "") or r.get("rotated_units")) and "folder" in r
+                   if ("_H" in r.get("scheme", "") or r.get("rotated_units"))
                    and (RESULTS / r["folder"]).is_dir()
                    and Path(r["folder"]).name not in said]
         verdicts, tail = harness.verify_vllm(rotated)

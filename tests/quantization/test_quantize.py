@@ -169,3 +169,21 @@ def test_quantize_output_passes_verify_vllm(quantized, serve_python):
                 "--serve-python", serve_python, "--json")
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
     assert json.loads(proc.stdout)["passed"]
+
+
+def test_a_given_report_plans_without_the_twins_it_does_not_score():
+    """--sensitivity with scale search on: the searched-scale twins quantize added to the
+    menu and the report did not score are left out (and named); twins asked for on the
+    menu with scale search off stay."""
+    from types import SimpleNamespace
+
+    from fp4sense.quantization.request import Objective
+
+    report = SimpleNamespace(schemes=["NVFP4", "FP8_DYNAMIC"])
+    rest = dict(budget_bits=5.0, budget_bytes=None, kl_target=None, pins=None,
+                sensitivity="s.json", sensitivity_mode=None, select_plans=1)
+    added = Objective.parse(menu=["NVFP4", "FP8_DYNAMIC", "BF16"], scale_search=True, **rest)
+    assert "NVFP4_SEARCH" in added.menu
+    assert added.menu_for(report) == (["NVFP4", "FP8_DYNAMIC", "BF16"], ["NVFP4_SEARCH"])
+    asked = Objective.parse(menu=["NVFP4_SEARCH", "BF16"], scale_search=False, **rest)
+    assert asked.menu_for(report) == (["NVFP4_SEARCH", "BF16"], [])

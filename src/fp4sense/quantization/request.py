@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fp4sense.numerics.schemes import get_scheme, with_search_twins
 from fp4sense.planning.milp import check_pins
@@ -21,6 +22,9 @@ from fp4sense.quantization.distill import DistillError
 from fp4sense.quantization.distill_settings import DistillSettings
 from fp4sense.runtime.devices import Placement, resolve
 from fp4sense.validate import check_quantize_output
+
+if TYPE_CHECKING:
+    from fp4sense.diagnosis.results import SensitivityReport
 
 __all__ = ["Objective", "Output", "QuantizeRequest", "Rounding", "Windows"]
 
@@ -56,6 +60,14 @@ class Objective:
         given = (self.budget_bits, self.budget_bytes, self.kl_target)
         if sum(x is not None for x in given) != 1:
             raise ValueError("give exactly one of --budget, --budget-bytes, --kl-target")
+
+    def menu_for(self, report: SensitivityReport) -> tuple[list[str], list[str]]:
+        """(the menu a plan from the given ``report`` uses, the searched-scale twins it
+        leaves out because the report does not score them: with ``scale_search`` they
+        were added here, not asked for)."""
+        unscored = [s for s in self.menu if get_scheme(s).scale_search
+                    and s not in report.schemes] if self.scale_search else []
+        return [s for s in self.menu if s not in unscored], unscored
 
     @property
     def quantizing(self) -> list[str]:

@@ -26,7 +26,6 @@ from fp4sense.evaluation.metrics import implausible
 from fp4sense.inputs.models import QUANTIZE_INSTEAD, analysis_windows, load_model
 from fp4sense.inputs.moe import stored_expert_names
 from fp4sense.inputs.texts import window_prefix
-from fp4sense.numerics.schemes import get_scheme
 from fp4sense.planning.milp import Plan, check_pins, plan_cost, solve
 from fp4sense.planning.select import check_quantizes, select_on_calibration
 from fp4sense.publishing.lineage import hub_id_of, public_name, text_name, write_local_record
@@ -187,13 +186,11 @@ class QuantizeRun:
         if objective.sensitivity is not None:
             report = SensitivityReport.load(objective.sensitivity,
                                             model_fingerprint(self.model))
-            unscored = [s for s in menu
-                        if get_scheme(s).scale_search and s not in report.schemes]
-            if objective.scale_search and unscored:  # twins the saved report did not score
+            menu, unscored = objective.menu_for(report)
+            if unscored:  # twins the saved report did not score
                 self.log(f"note: {objective.sensitivity} does not score {', '.join(unscored)};"
                          " planning without them (analyze with them in --schemes to use "
                          "searched scales)")
-                menu = [s for s in menu if s not in unscored]
         # shared files name the base and the text, not their paths here
         report.model = public_name(report.model, self.hub_id)
         report.text["source"] = public_name(report.text.get("source"))
