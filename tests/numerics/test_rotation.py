@@ -438,6 +438,38 @@ def test_a_rotated_pin_on_a_biased_unit_is_refused(assets, text_file, tmp_path):
     assert not (tmp_path / "q").exists()
 
 
+def test_an_old_report_does_not_rotate_a_biased_unit(assets, text_file, tmp_path):
+    """A sensitivity.json saved before units recorded their bias (fp4sense 0.5) does not
+    say that Qwen2's q/k/v add one: quantize reads it from the model, so even where the
+    report makes rotation the better choice everywhere, the biased q/k/v stay unrotated."""
+    base = make_family_model("qwen2", tmp_path / "qwen2", assets["model"])
+    proc = subprocess.run([FP4SENSE, "analyze", str(base), "--schemes", "NVFP4,NVFP4_H16",
+                           "--views", "grid", "--mode", "estimated", "--windows", "2",
+                           "--tokens", "64", "--text", str(text_file), "--no-cache",
+                           "--no-plots", "--out", str(tmp_path / "analysis")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "analysis" / "sensitivity.json").read_text())
+    assert sum(bool(u.pop("bias", False)) for u in report["units"]["units"]) == 2  # as 0.5
+    for entry in report["entries"]:  # rotating wins on every unit
+        if entry["scheme"] == "NVFP4_H16":
+            entry["kl"] = 0.0
+    (tmp_path / "old.json").write_text(json.dumps(report))
+    out = tmp_path / "q"
+    proc = subprocess.run([FP4SENSE, "quantize", str(base), "--budget", "4.6", "--menu",
+                           "NVFP4,NVFP4_H16", "--no-scale-search", "--sensitivity",
+                           str(tmp_path / "old.json"), "--out", str(out), "--text",
+                           str(text_file), *SMALL, "--no-eval"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    chosen = {c["unit"]: c["scheme"] for c in json.loads((out / "plan.json").read_text())[
+        "choices"]}
+    assert {u for u, s in chosen.items() if s == "NVFP4"} == {
+        f"{b}:self_attn.q_proj+k_proj+v_proj" for b in (0, 1)}, chosen
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert not any(m.endswith(("q_proj", "k_proj", "v_proj"))
+                   for m in transform_targets(base, config))
+
+
 def test_the_analysis_says_where_a_rotation_pays(tiny_llama, text_file, tmp_path):
     """analyze scores rotated schemes beside the plain ones; report.md says per rotated
     scheme on how many units it lowers the damage (from sensitivity.json's own numbers)

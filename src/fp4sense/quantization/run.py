@@ -16,11 +16,11 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from fp4sense.diagnosis import SensitivityReport, analyze
-from fp4sense.diagnosis.units import find_units, model_fingerprint
+from fp4sense.diagnosis.units import Unit, find_units, model_fingerprint
 from fp4sense.evaluation.evaluate import evaluate_checkpoint
 from fp4sense.evaluation.metrics import implausible
 from fp4sense.inputs.models import QUANTIZE_INSTEAD, analysis_windows, load_model
@@ -186,6 +186,7 @@ class QuantizeRun:
         if objective.sensitivity is not None:
             report = SensitivityReport.load(objective.sensitivity,
                                             model_fingerprint(self.model))
+            report.units.units = with_bias(report.units.units, self.model)
             menu, unscored = objective.menu_for(report)
             if unscored:  # twins the saved report did not score
                 self.log(f"note: {objective.sensitivity} does not score {', '.join(unscored)};"
@@ -271,6 +272,15 @@ class QuantizeRun:
             if distributed.is_main():  # (after disband, only rank 0 is still here)
                 shutil.rmtree(work, ignore_errors=True)
             raise
+
+
+def with_bias(units: list[Unit], model) -> list[Unit]:
+    """The units of a given report, each marked as the model says whether it adds a bias:
+    a report saved before units recorded it (fp4sense 0.5) does not say, and a plan must
+    not rotate Qwen2's biased q/k/v (vLLM's transforms serve no bias)."""
+    modules = dict(model.named_modules())
+    return [replace(u, bias=u.bias or any(getattr(modules.get(m), "bias", None) is not None
+                                          for m in u.modules)) for u in units]
 
 
 def work_folder(out: Path, log) -> Path:
