@@ -17,8 +17,9 @@ depends on it.
 
     .venv/bin/python -m bench calibration_dtype [--verify]
 
-Results: bench/results/calibration_dtype.json. Run it alone: the two oneshots compete
-for the cores with anything else.
+Results: bench/results/calibration_dtype.json (``--out``: one file per kind of CPU, e.g.
+calibration_dtype_avx2.json from one without native bfloat16). Run it alone: the two
+oneshots compete for the cores with anything else.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def one(dtype: str, out: Path, sensitivity: str | None) -> dict:
 
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--work", type=Path, default=RESULTS / ".calibration-dtype")
+    ap.add_argument("--out", type=Path, default=RESULTS / "calibration_dtype.json",
+                    help="the result (one per kind of CPU: native bf16 or not)")
     ap.add_argument("--verify", action="store_true", help="verify-vllm both checkpoints")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a child: one dtype
     ap.add_argument("--sensitivity", help=argparse.SUPPRESS)
@@ -104,8 +107,8 @@ def run(args: argparse.Namespace) -> int:
         result["verify_vllm"] = {r["run"]: "PASS" if verdicts[folders[r["run"]].name]["passed"]
                                  else "FAIL" for r in judged
                                  if folders[r["run"]].name in verdicts} or tail
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "calibration_dtype.json").write_text(json.dumps(result, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return 0
 
