@@ -105,9 +105,15 @@ def cell(r: dict) -> str:
     return f"{r['kl']:.4f}<br>{r['bits']:.3f} b, {where}{wall}{turned}"
 
 
+def source(path: Path) -> str:
+    """A source's name, with its plain NVFP4 oneshot's seconds where it timed one."""
+    plain = json.loads(path.read_text()).get("plain_nvfp4_oneshot_s")
+    return f"`{path.name}`" + (f" ({plain:.0f} s)" if plain else "")
+
+
 def markdown(table: dict, paths: list[Path]) -> str:
     lines = ["# Every method at every budget (issue 15's table)", "",
-             "`python -m bench stack_table` from " + ", ".join(f"`{p.name}`" for p in paths)
+             "`python -m bench stack_table` from " + ", ".join(map(source, paths))
              + ". KL on 16 evaluation windows; `ckpt`: written by `fp4sense quantize`, read "
              "back from disk, bits measured from its files, wall time of writing it; `mem`: "
              "in memory (fp4sense's fake quantization, bit for bit the checkpoint's, bits from "
@@ -115,7 +121,10 @@ def markdown(table: dict, paths: list[Path]) -> str:
              "(`bench/gptq_scores.py`). Rows with rotations come from `bench/rotation.py` "
              "(a plan row recorded without its timings counts its evaluation, about 60 s, "
              "in the wall time). Empty: not run. Each row's QAD settings (steps, learning "
-             "rate, windows) are in its source's Markdown (the same name, `.md`).", ""]
+             "rate, windows) are in its source's Markdown (the same name, `.md`). Wall times "
+             "are of the machine each source ran on (all 2-core CPUs, not all alike): the "
+             "seconds after a source's name are a plain llm-compressor NVFP4 oneshot on the "
+             "same data there, the baseline to compare them by.", ""]
     for menu, cells in table.items():
         columns = sorted({c for _, c in cells}, key=lambda c: -1.0 if c == "uniform" else
                          float(c))
