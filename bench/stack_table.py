@@ -28,7 +28,8 @@ DEFAULT = ["stack.json", "stack_block.json", "stack_block_w4a4.json",
            "stack_rounding_weight_only_gptq.json", "stack_block_w4a4_budgets.json",
            "stack_rounding_mx.json", "stack_qad_w4a4_budgets.json",
            "stack_qad_mx_budgets.json", "stack_block_weight_only_budgets.json",
-           "rotation.json"]
+           "stack_qad_weight_only_budgets.json", "stack_block_mx_budgets.json",
+           "stack_block_uniform.json", "rotation.json"]
 ORDER = ["uniform RTN", "uniform + searched scales", "plan RTN", "plan + searched scales",
          "plan + GPTQ", "plan + GPTQ + QAD", "plan + GPTQ + block QAD", "plan + QAD",
          "uniform + QAD"]
