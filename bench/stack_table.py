@@ -125,8 +125,8 @@ def markdown(table: dict, paths: list[Path]) -> str:
              "rate, windows) are in its source's Markdown (the same name, `.md`). Wall times "
              "are of the machine each source ran on (all 2-core CPUs, not all alike): the "
              "seconds after a source's name are a plain llm-compressor NVFP4 oneshot (in "
-             "bf16) on the same data there, about 50 s on a CPU with native bf16 and over "
-             "700 s on one without (AVX2 only), which tells the two apart.", ""]
+             "bf16) on the same data there, many times longer on a CPU without native bf16 "
+             "(AVX2 only), which tells the two kinds apart.", ""]
     for menu, cells in table.items():
         columns = sorted({c for _, c in cells}, key=lambda c: -1.0 if c == "uniform" else
                          float(c))
