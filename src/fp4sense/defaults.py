@@ -1,9 +1,15 @@
 """The defaults that several front doors share (the command line, the Python API, the YAML
 modifiers, optimum-cli, which reuses the command line's arguments), defined once here.
-It imports nothing, so the command line reads it before torch is imported;
+It imports only the standard library, so the command line reads it before torch is imported;
 tests/cli/test_options.py fails when a door's default differs from these."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: the environment variable that moves the fp4sense cache (assets, analyses, locks)
+CACHE_ENV = "FP4SENSE_CACHE"
 
 #: the schemes a plan may give a unit (BF16 = left alone)
 MENU = ("NVFP4", "FP8_DYNAMIC", "BF16")
@@ -15,3 +21,8 @@ CALIB_WINDOWS = 32
 EVAL_WINDOWS = 16
 #: tokens per window
 WINDOW_TOKENS = 512
+
+
+def cache_dir() -> Path:
+    """The fp4sense cache: ``$FP4SENSE_CACHE`` or ``~/.cache/fp4sense``."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "fp4sense").expanduser()

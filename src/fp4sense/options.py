@@ -30,6 +30,7 @@ from fp4sense import defaults
 from fp4sense.validate import (
     InputError,
     block_list,
+    bounded_int,
     device_name,
     non_empty,
     non_negative_float,
@@ -42,6 +43,12 @@ __all__ = ["ANALYZE", "EVAL", "QUANTIZE", "Option", "add", "check", "keywords", 
            "windows"]
 
 _NUMBERS = (positive_int, non_negative_int, positive_float, non_negative_float)
+#: --tokens: a window of one token predicts nothing (its loss is NaN)
+TOKENS_PER_WINDOW = bounded_int(2, 1 << 24, "longer than any model's context")
+#: --select-plans: each plan is one more measured run of the model
+MAX_SELECT_PLANS = 32
+SELECT_PLANS = bounded_int(1, MAX_SELECT_PLANS, "each plan is measured by a full run on the "
+                           "held-aside windows; the best few by prediction are enough")
 
 
 @dataclass(frozen=True)
@@ -100,7 +107,8 @@ class Option:
 
     def check(self, value, function: str) -> None:
         """The keyword's value, checked as the flag's text is (numbers: range and kind)."""
-        if value is None or self.switch or self.parse not in _NUMBERS:
+        if value is None or self.switch or not (self.parse in _NUMBERS or getattr(
+                self.parse, "bounded", False)):
             return
         if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy too
             raise InputError(f"{function}({self.keyword}={value!r}): give a number")
@@ -133,8 +141,9 @@ def pins_of(values: Sequence[str] | None) -> dict[str, str] | None:
 def windows(default: int, what: str, keyword: str = "n_windows") -> list[Option]:
     """``--windows N --tokens T --raw-windows``: the same words on every command."""
     return [Option(keyword, "--windows", default, what, positive_int),
-            Option("window_tokens", "--tokens", defaults.WINDOW_TOKENS, "tokens per window",
-                   positive_int),
+            Option("window_tokens", "--tokens", defaults.WINDOW_TOKENS, "tokens per window "
+                   "(at least 2: a window predicts its tokens from the ones before; at most "
+                   "the model's context)", TOKENS_PER_WINDOW),
             Option("raw_windows", "--raw-windows", False, "windows of text tokens only: "
                    "without the BOS (or prefix) the tokenizer starts a sequence with, which "
                    "windows otherwise begin with", switch=True)]
@@ -199,7 +208,7 @@ QUANTIZE: tuple[Option, ...] = (
            "they score lower)", switch=True),
     Option("select_plans", "--select-plans", 1, "measure the K best plans by prediction on "
            "calibration windows the estimate did not use and keep the lowest (1: no "
-           "measuring)", positive_int, metavar="K"),
+           f"measuring; at most {MAX_SELECT_PLANS})", SELECT_PLANS, metavar="K"),
     Option("base_model_id", "--base-model-id", None, "the base model's Hub id, for the "
            "model card's lineage (default: derived where certain: a hub id, a Hugging Face "
            "cache folder)", metavar="ORG/NAME"),

@@ -76,7 +76,7 @@ def test_a_damaged_gptq_scores_file_is_set_aside(tmp_path):
 def _holder(out: Path) -> subprocess.Popen:
     """Another process that has claimed ``out`` (as a running quantize has) and waits."""
     code = ("import sys, time; from pathlib import Path; "
-            "from fp4sense.validate import claim_output; "
+            "from fp4sense.runtime.outputs import claim_output; "
             f"claim_output(Path({str(out)!r})); print('claimed', flush=True); time.sleep(120)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "claimed"
@@ -106,7 +106,7 @@ def test_a_second_run_to_the_same_out_stops_at_once(tiny_llama, text_file, tmp_p
         holder.kill()
         holder.wait()
     # the owner gone, the folder is free again (the lock dies with its process)
-    code = ("from pathlib import Path; from fp4sense.validate import claim_output; "
+    code = ("from pathlib import Path; from fp4sense.runtime.outputs import claim_output; "
             f"claim_output(Path({str(out)!r}))")
     subprocess.run([sys.executable, "-c", code], check=True)
 

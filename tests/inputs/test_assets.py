@@ -160,6 +160,7 @@ def _fake_pip(kwargs, args, source):
 
 def test_convert_gguf_refuses_to_overwrite(tmp_path):
     from fp4sense.inputs.gguf import GGUFConversionError, convert_gguf
+    from fp4sense.validate import InputError
 
     with pytest.raises(GGUFConversionError, match="GGUF file not found"):
         convert_gguf(tmp_path / "missing.gguf", tmp_path / "out")
@@ -168,7 +169,7 @@ def test_convert_gguf_refuses_to_overwrite(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("user file")
-    with pytest.raises(GGUFConversionError, match="not empty"):
+    with pytest.raises(InputError, match="not empty"):
         convert_gguf(gguf, out)
     assert (out / "keep.txt").read_text() == "user file"
     with pytest.raises(GGUFConversionError, match="could not read GGUF file"):

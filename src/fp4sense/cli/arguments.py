@@ -12,6 +12,7 @@ from pathlib import Path
 from fp4sense import options
 from fp4sense.quantization.distill_settings import MODES, cli_options
 from fp4sense.validate import (
+    bounded_float,
     non_empty,
     non_negative_float,
     non_negative_int,
@@ -27,6 +28,12 @@ _DISTILL_TYPES = {"steps": dict(type=positive_int, metavar="STEPS"),
                   "windows": dict(type=positive_int),
                   "holdout": dict(type=non_negative_int, metavar="N"),
                   "mode": dict(choices=list(MODES))}
+
+
+#: verify-vllm --timeout: past a day, a run is hung, not slow (and far past it, the
+#: subprocess's timer overflows)
+MAX_VLLM_TIMEOUT = 86400.0
+VLLM_TIMEOUT = bounded_float(MAX_VLLM_TIMEOUT, "a vLLM run that long is hung; give seconds")
 
 
 def _add_distill(p: argparse.ArgumentParser) -> None:
@@ -111,7 +118,8 @@ def verify_vllm_args(p: argparse.ArgumentParser) -> None:
                    help="limit on mean |d logprob|")
     p.add_argument("--ppl-rel", type=non_negative_float, default=None,
                    help="limit on the relative perplexity difference")
-    p.add_argument("--timeout", type=positive_float, default=900.0, help="seconds for the vLLM run")
+    p.add_argument("--timeout", type=VLLM_TIMEOUT, default=900.0,
+                   help=f"seconds for the vLLM run (at most {MAX_VLLM_TIMEOUT:g}: a day)")
     _add_json(p)
 
 

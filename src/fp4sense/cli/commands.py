@@ -7,6 +7,7 @@ import argparse
 import math
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from fp4sense import __version__, options
 from fp4sense.cli.arguments import (
@@ -28,7 +29,9 @@ from fp4sense.cli.streams import (
 )
 from fp4sense.cli.streams import emit_json as _emit_json
 from fp4sense.cli.streams import stdout_for_json as _stdout_for_json
-from fp4sense.validate import EXIT_USER_ERROR, UserError
+from fp4sense.inputs.assets import default_model_path
+from fp4sense.runtime.outputs import check_analysis_output, guard_output, local_inputs
+from fp4sense.validate import EXIT_USER_ERROR, UserError, read_json
 
 EXIT_OK = 0  # 1, 3, 5: the errors users can fix (fp4sense.validate.UserError.exit_code)
 EXIT_VERIFY_FAILED = 4
@@ -88,13 +91,16 @@ def _cmd_schemes(args: argparse.Namespace) -> int:
 def _cmd_verify_vllm(args: argparse.Namespace) -> int:
     from fp4sense.checkpoint.checks import check_checkpoint, checkpoint_tokenizer
     from fp4sense.evaluation.vllm_check import Tolerance, verify_vllm_many
-    from fp4sense.inputs.texts import protocol_windows
+    from fp4sense.inputs.texts import model_context, protocol_windows
 
     windows = []
     for folder in args.checkpoint:
         check_checkpoint(folder)  # before the tokenizer: a missing folder is one line
         w = protocol_windows(checkpoint_tokenizer(folder), "evaluation", args.n_windows,
-                             source=text_source(args), raw=args.raw_windows)
+                             source=text_source(args), raw=args.raw_windows,
+                             context=model_context(read_json(
+                                 Path(folder) / "config.json", "checkpoint's config",
+                                 "restore it from the checkpoint's source")))
         windows.append(w[:, : args.window_tokens])
     limits = (args.max_abs, args.mean_abs, args.ppl_rel)
     tolerance = None if all(v is None for v in limits) else Tolerance(
@@ -123,9 +129,8 @@ def _cmd_verify_vllm(args: argparse.Namespace) -> int:
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
-    from fp4sense.validate import check_analysis_output
-
-    check_analysis_output(args.out_dir, args.cache)  # before torch
+    check_analysis_output(args.out_dir, args.cache,  # before torch
+                          local_inputs(args.model or default_model_path(), args.text))
     from fp4sense.api import analyze_model
     from fp4sense.reports.analysis import findings
 
@@ -162,9 +167,8 @@ def _distill_settings(args: argparse.Namespace):
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
-    from fp4sense.validate import check_quantize_output
-
-    check_quantize_output(args.model, args.out_dir, overwrite=args.overwrite)  # before torch
+    guard_output(args.out_dir, overwrite=args.overwrite,  # before torch
+                 inputs=local_inputs(args.model or default_model_path(), args.text))
     from fp4sense.api import quantize_model
 
     result = quantize_model(

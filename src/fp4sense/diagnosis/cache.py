@@ -9,6 +9,7 @@ import fcntl
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,11 +22,24 @@ __all__ = ["CACHE_VERSION", "EntryCache", "cache_key"]
 CACHE_VERSION = 3
 
 
-class EntryCache:
-    """Append-only JSON lines, one per finished entry; a torn last line is ignored."""
+#: the fields an entry of each kind must hold, and their kinds (a key's first word)
+_NUMBER = (int, float)
+ENTRY_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "measured": {f: _NUMBER for f in ("kl", "kl_se", "dppl", "dppl_se", "top1", "top1_se",
+                                      "block_forwards")},
+    "estimated": {"scores": dict},
+    "stats": {"stats": dict, "base_ppl": _NUMBER},
+}
 
-    def __init__(self, path: Path | None):
+
+class EntryCache:
+    """Append-only JSON lines, one per finished entry; a torn last line is ignored, and an
+    entry whose fields are damaged (missing or of the wrong kind: :data:`ENTRY_FIELDS`)
+    is named in one line and computed again."""
+
+    def __init__(self, path: Path | None, log: Callable[[str], None] = print):
         self.path = path
+        self.log = log
         self.items: dict[str, dict] = {}
         if path is not None and path.is_file():
             for line in path.read_text().splitlines():
@@ -36,7 +50,22 @@ class EntryCache:
                     continue
 
     def get(self, key: str) -> dict | None:
-        return self.items.get(key)
+        item = self.items.get(key)
+        if item is None:
+            return None
+        need = ENTRY_FIELDS.get(key.split("|", 1)[0], {})
+        bad = [f for f, kind in need.items() if not isinstance(item.get(f), kind)
+               or isinstance(item.get(f), bool)]
+        if key.startswith("estimated|") and not bad and not all(
+                isinstance(v, list) and all(isinstance(x, _NUMBER) for x in v)
+                for v in item["scores"].values()):
+            bad = ["scores"]
+        if bad:
+            del self.items[key]
+            self.log(f"note: the analysis cache {self.path} has a damaged entry {key!r} "
+                     f"(field {bad[0]!r}); it is computed again (the new entry replaces it)")
+            return None
+        return item
 
     def put(self, key: str, value: dict) -> None:
         item = {"key": key, **value}

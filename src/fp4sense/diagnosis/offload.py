@@ -10,7 +10,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fp4sense.runtime.memory import mapped_allocations, return_freed_memory
-from fp4sense.validate import InputError, check_writable
+from fp4sense.runtime.outputs import check_writable
+from fp4sense.validate import InputError
 
 __all__ = ["BlockStore", "Originals", "check_offload_dir"]
 
@@ -29,6 +30,15 @@ def check_offload_dir(folder: Path) -> None:
                              f"{', ...' if len(other) > 3 else ''}); fp4sense writes block "
                              "files there, so give an empty or new folder")
     check_writable(folder, "--offload-dir", "choose a folder you can write to")
+
+
+def _check_finite(value: torch.Tensor, name: str, file: Path) -> None:
+    """A weight read block by block holds no NaN / Inf (the whole model's check, made
+    when its block is read): one line naming the module and the file."""
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        bad = int((~torch.isfinite(value)).sum())
+        raise InputError(f"model has non-finite weights in {name.removesuffix('.weight')} "
+                         f"({bad} NaN/Inf, in {file.name}); fix or re-download the checkpoint")
 
 
 class BlockStore:
@@ -104,9 +114,11 @@ class BlockStore:
                     value = self.overrides.get(full)
                     if callable(value):  # a perturbation computed when its block loads
                         value = value()
-                    params[name].data = (value if value is not None
-                                         else self._cast(fh.get_tensor(key)))
                     (self.perturbed.add if value is not None else self.perturbed.discard)(full)
+                    if value is None:
+                        value = self._cast(fh.get_tensor(key))
+                        _check_finite(value, full, file)
+                    params[name].data = value
         self.loaded.add(i)
 
     def original(self, full_name: str) -> torch.Tensor:

@@ -13,13 +13,14 @@ from fp4sense.diagnosis.offload import check_offload_dir
 from fp4sense.diagnosis.results import SensitivityReport
 from fp4sense.diagnosis.views import analyze, check_request
 from fp4sense.evaluation.metrics import implausible
+from fp4sense.inputs.assets import default_model_path
 from fp4sense.inputs.models import analysis_windows, load_model
-from fp4sense.inputs.texts import window_prefix
+from fp4sense.inputs.texts import model_context, window_prefix
 from fp4sense.publishing.lineage import text_name
 from fp4sense.reports.analysis import write_analysis
 from fp4sense.runtime import distributed
 from fp4sense.runtime.devices import resolve
-from fp4sense.validate import check_analysis_output
+from fp4sense.runtime.outputs import check_analysis_output, local_inputs, record_written
 
 __all__ = ["analyze_model"]
 
@@ -59,7 +60,8 @@ def analyze_model(
     options.check(options.ANALYZE, locals(), "analyze_model")  # as the flags are
     schemes = check_request(schemes, views, modes)  # bad input fails before loading
     placement = resolve(device, dtype, log=log)
-    cache_folder = check_analysis_output(out_dir, cache)
+    cache_folder = check_analysis_output(out_dir, cache,
+                                         local_inputs(model or default_model_path(), text))
     if offload_dir is not None:
         check_offload_dir(Path(offload_dir))
     distributed.init_from_env(placement.device)
@@ -70,7 +72,8 @@ def analyze_model(
     hf_model, tokenizer, notes = load_model(
         model, placement.dtype, "cpu" if offload_dir is not None else placement.device,
         low_memory=low_memory)
-    windows = analysis_windows(tokenizer, text, n_windows, window_tokens, raw_windows)
+    windows = analysis_windows(tokenizer, text, n_windows, window_tokens, raw_windows,
+                               model_context(hf_model.config))
     report = analyze(
         hf_model, windows, schemes=schemes, views=views, modes=modes, grid_blocks=grid_blocks,
         cache_dir=cache_folder,
@@ -83,6 +86,7 @@ def analyze_model(
         log(warning)
     if out_dir is not None and distributed.is_main():
         paths = write_analysis(report, Path(out_dir), notes=notes, plots=plots)
+        record_written(Path(out_dir))  # a rerun may write into it again
         for key, path in paths.items():
             log(f"{key:12s} {path}")
     return report

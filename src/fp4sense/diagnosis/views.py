@@ -229,7 +229,7 @@ def analyze(
                     compute_dtype=str(quantization_dtypes(model)[0]).removeprefix("torch."))
     if rounded is not None:
         text = {**(text or {}), "quantized_weights": rounded.source}
-    cache = EntryCache(Path(cache_dir) / f"{key}.jsonl" if cache_dir else None)
+    cache = EntryCache(Path(cache_dir) / f"{key}.jsonl" if cache_dir else None, log=log)
     if cache.items:
         log(f"resuming: {len(cache.items)} cached results ({cache.path})")
     streamed = offload_dir is not None or getattr(model, "fp4sense_blocks", None) is not None

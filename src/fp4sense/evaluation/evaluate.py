@@ -14,10 +14,15 @@ from fp4sense.checkpoint.loading import load_checkpoint
 from fp4sense.diagnosis.units import model_fingerprint
 from fp4sense.evaluation.metrics import compare_models, implausible
 from fp4sense.inputs.models import load_model
-from fp4sense.inputs.texts import PROTOCOL_EVAL_TEXT, protocol_windows, window_prefix
+from fp4sense.inputs.texts import (
+    PROTOCOL_EVAL_TEXT,
+    model_context,
+    protocol_windows,
+    window_prefix,
+)
 from fp4sense.publishing.lineage import is_hub_id, local_record, public_name
 from fp4sense.runtime.devices import resolve
-from fp4sense.validate import InputError
+from fp4sense.validate import InputError, read_json
 
 __all__ = ["evaluate_checkpoint"]
 
@@ -57,7 +62,9 @@ def evaluate_checkpoint(
     if base is None:
         base = _recorded_base(folder)
     windows = protocol_windows(tokenizer, "evaluation", n_windows, text, window_tokens,
-                               raw_windows)
+                               raw_windows, model_context(read_json(
+                                   folder / "config.json", "checkpoint's config",
+                                   "restore it from the checkpoint's source")))
     base_model, _, _ = load_model(base, placement.dtype, placement.device)
     _check_base_matches(folder, base_model, base)
     quant, act_layers, notes = load_checkpoint(folder, as_served, placement.device,
@@ -107,9 +114,7 @@ def _other_base(folder: Path, base_model: torch.nn.Module) -> str | None:
     (same architecture, other weights: the KL is then against a model the checkpoint was
     not made from); None when they agree or nothing is recorded."""
 
-    plan = folder / "plan.json"
-    recorded = json.loads(plan.read_text()).get("model_fingerprint") if plan.is_file() \
-        else None
+    recorded = _plan_field(folder, "model_fingerprint")
     given = model_fingerprint(base_model) if recorded else None
     if recorded and given != recorded:
         return (f"the base given (fingerprint {given}) is not the model the checkpoint was "
@@ -118,15 +123,26 @@ def _other_base(folder: Path, base_model: torch.nn.Module) -> str | None:
     return None
 
 
+def _plan_field(folder: Path, key: str):
+    """One field of the checkpoint's plan.json (None without one); a plan.json that does
+    not read is named in one line."""
+    plan = folder / "plan.json"
+    if not plan.is_file():
+        return None
+    record = read_json(plan, "checkpoint's plan", "restore it, or quantize again")
+    if not isinstance(record, dict):
+        raise InputError(f"{plan}: not a plan (a JSON object); restore it, or quantize again")
+    return record.get(key)
+
+
 def _recorded_base(folder: Path) -> str:
     """The base model a checkpoint was made from: the local path fp4sense recorded on
     this machine, else the Hub id or folder plan.json and config.json name."""
 
     candidates = [local_record(folder).get("base")]
-    plan = folder / "plan.json"
-    if plan.is_file():
-        candidates.append(json.loads(plan.read_text()).get("model"))
-    config = json.loads((folder / "config.json").read_text())
+    candidates.append(_plan_field(folder, "model"))
+    config = read_json(folder / "config.json", "checkpoint's config",
+                       "restore it from the checkpoint's source")
     candidates.append(config.get("_name_or_path"))
     for cand in candidates:
         if cand and Path(cand).is_dir() and (Path(cand) / "config.json").is_file():

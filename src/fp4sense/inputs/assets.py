@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from fp4sense.defaults import cache_dir
 from fp4sense.validate import EXIT_ASSET_ERROR, UserError
 
 __all__ = [
@@ -43,7 +44,6 @@ __all__ = [
     "ensure_text",
 ]
 
-CACHE_ENV = "FP4SENSE_CACHE"
 
 
 class AssetError(UserError, RuntimeError):
@@ -101,11 +101,6 @@ Log = Callable[[str], None]
 
 def _print(msg: str) -> None:
     print(f"[fp4sense setup] {msg}", file=sys.stderr, flush=True)
-
-
-def cache_dir() -> Path:
-    """The asset cache: ``$FP4SENSE_CACHE`` or ``~/.cache/fp4sense``."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "fp4sense").expanduser()
 
 
 def default_model_path() -> Path:

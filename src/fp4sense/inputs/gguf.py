@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from fp4sense.runtime.outputs import guard_output, publish_folder, work_folder
 from fp4sense.validate import UserError
 
 __all__ = ["GGUFConversionError", "convert_gguf", "special_tokens"]
@@ -37,11 +38,15 @@ def convert_gguf(
     dtype: torch.dtype = torch.bfloat16,
     name_or_path: str | None = None,
     overwrite: bool = False,
+    log: Callable[[str], None] = print,
 ) -> Path:
     """Convert ``gguf_path`` to an HF folder at ``out_dir`` (safetensors in ``dtype``).
 
-    The folder is written under a temporary name and renamed when complete, so an
-    interrupted conversion never leaves a folder that looks usable.
+    ``out_dir`` follows the one ``--out`` rule (:func:`fp4sense.runtime.outputs.
+    guard_output`): never the GGUF's folder, the current folder or a parent of either;
+    ``overwrite`` replaces only a folder fp4sense wrote; one conversion at a time. The
+    folder is written as ``.NAME.partial-*`` and renamed when complete, so an interrupted
+    conversion never leaves a folder that looks usable (and the next run removes it).
 
     :param name_or_path: recorded as the model's ``_name_or_path`` (e.g. the hub id of
         the original model), since GGUF metadata names are often internal run names
@@ -56,11 +61,7 @@ def convert_gguf(
                                   "(a split GGUF: its first part)")
     if not gguf_path.is_file():
         raise GGUFConversionError(f"GGUF file not found: {gguf_path}")
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise GGUFConversionError(
-            f"output folder {out_dir} exists and is not empty; pass overwrite=True "
-            "(--overwrite) to replace it"
-        )
+    guard_output(out_dir, inputs=[gguf_path], overwrite=overwrite)
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
@@ -88,15 +89,11 @@ def convert_gguf(
             f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
         )
     model.tie_weights()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary folder
+    tmp = work_folder(out_dir, log)
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        publish_folder(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

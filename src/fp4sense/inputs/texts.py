@@ -7,6 +7,11 @@ the way the tokenizer starts a sequence (:func:`sequence_prefix`: BOS, or a fami
 prefix) followed by text tokens, so a model is measured as it is served; a tokenizer
 that prepends nothing (SmolLM2's) gives windows of text alone, as before. ``raw``
 windows leave the prefix out.
+
+A text file is read as a stream: only as much of it as the windows asked for need (a
+prefix, doubled until it holds enough tokens), so memory grows with the windows, not
+with the file; the tokens are those of the whole text (the prefix is cut at a line end
+and a margin of tokens before the cut is never used).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ __all__ = [
     "CALIB_WINDOWS",
     "WINDOW_TOKENS",
     "load_text",
+    "model_context",
+    "read_text",
     "make_windows",
     "protocol_windows",
     "sequence_prefix",
@@ -43,33 +50,47 @@ class DataError(UserError, ValueError):
 
 
 def load_text(source: str | os.PathLike | None = None, split: str = "calibration") -> str:
-    """Text from a file, an HF dataset (``dataset:NAME[:CONFIG][:SPLIT]``) or the default.
+    """Text from a file, an HF dataset (``dataset:NAME[:CONFIG][:SPLIT]``) or the default,
+    whole (:func:`read_text` reads only a prefix).
 
     With ``source=None`` the bundled State of the Union ``split`` is used (fetched into
     the cache if missing).
     """
+    return read_text(source, split)[0]
+
+
+def read_text(source: str | os.PathLike | None = None, split: str = "calibration",
+              chars: int | None = None) -> tuple[str, bool]:
+    """The first ``chars`` characters of the text :func:`load_text` reads (all of it
+    when None), and whether that is the whole text. A file is read no further."""
     if source is None:
         from fp4sense.inputs.assets import ensure_text
 
-        return ensure_text()[split].read_text(encoding="utf-8")
+        source = ensure_text()[split]
     text_source = str(source)
     if text_source.startswith("dataset:"):
-        return _dataset_text(text_source[len("dataset:"):])
+        text = _dataset_text(text_source[len("dataset:"):])
+        return (text, True) if chars is None else (text[:chars], len(text) <= chars)
     path = Path(text_source)
     if path.is_dir():
         raise DataError(f"--text {path} is a folder; give one text file (join the files "
                         "first, e.g. cat *.txt > all.txt) or dataset:NAME[:CONFIG][:SPLIT]")
-    if not path.is_file():
+    if not path.exists():
         raise DataError(
             f"text file {path} not found; pass a text file path or dataset:NAME[:CONFIG][:SPLIT]"
         )
     try:
-        return path.read_text(encoding="utf-8")
+        with open(path, encoding="utf-8") as f:
+            text = f.read() if chars is None else f.read(chars + 1)
     except UnicodeDecodeError as exc:
         raise DataError(f"text file {path} is not UTF-8 text (byte {exc.start}); convert it "
                         "(e.g. iconv -t utf-8) or pass another file") from None
     except OSError as exc:
         raise DataError(f"text file {path} cannot be read ({exc.strerror})") from None
+    if not text.strip():
+        raise DataError(f"text file {path} is empty; pass a file with text in it")
+    whole = chars is None or len(text) <= chars
+    return text if whole else text[:chars], whole
 
 
 def _dataset_text(spec: str) -> str:
@@ -92,6 +113,17 @@ def _dataset_text(spec: str) -> str:
         raise DataError(f"dataset {spec!r} has no text")
     column = "text" if "text" in ds.column_names else ds.column_names[0]
     return "\n\n".join(str(t) for t in ds[column])
+
+
+def model_context(config) -> int | None:
+    """A model's context length in tokens (``max_position_embeddings`` of its text
+    config), from a transformers config or a config.json's dict; None when it says none."""
+    if isinstance(config, dict):
+        config = config.get("text_config") or config
+        value = config.get("max_position_embeddings")
+    else:
+        value = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 #: what the prefix probe encodes (any text does; the prefix is what comes before it)
@@ -130,6 +162,11 @@ def make_windows(
                         f"{len(head)} token(s) the tokenizer starts a sequence with; use "
                         "longer windows (--tokens)")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return _rows(ids, head, n_windows, body, window_tokens, what)
+
+
+def _rows(ids: list[int], head: list[int], n_windows: int, body: int, window_tokens: int,
+          what: str) -> torch.Tensor:
     needed = n_windows * body
     if len(ids) < needed:
         raise DataError(
@@ -144,15 +181,47 @@ def make_windows(
 
 def protocol_windows(tokenizer, split: str, n_windows: int | None = None,
                      source: str | os.PathLike | None = None,
-                     window_tokens: int = WINDOW_TOKENS, raw: bool = False) -> torch.Tensor:
+                     window_tokens: int = WINDOW_TOKENS, raw: bool = False,
+                     context: int | None = None) -> torch.Tensor:
     """Windows of the protocol's split (calibration: 32, evaluation: 16 by default), or
     of ``source`` (a text file or ``dataset:...``) in its place; each starts with the
-    tokenizer's :func:`sequence_prefix` unless ``raw``."""
+    tokenizer's :func:`sequence_prefix` unless ``raw``. ``context``: the model's
+    context length, which a window may not exceed. The text is read as a stream."""
     n = n_windows if n_windows is not None else (
         CALIB_WINDOWS if split == "calibration" else EVAL_WINDOWS)
     if n < 1 or window_tokens < 1:
         raise DataError(f"windows ({n}) and tokens per window ({window_tokens}) must be at "
                         "least 1")
+    if context is not None and window_tokens > context:
+        raise DataError(f"--tokens {window_tokens} is longer than the model's context of "
+                        f"{context} tokens (max_position_embeddings); use --tokens {context} "
+                        "or fewer")
     what = str(source) if source is not None else f"the {split} split"
-    return make_windows(tokenizer, load_text(source, split), n, window_tokens, what=what,
-                        raw=raw)
+    head = window_prefix(tokenizer, raw)
+    body = window_tokens - len(head)
+    if body < 1:
+        return make_windows(tokenizer, "", n, window_tokens, what, raw)  # says why
+    return _rows(_stream_tokens(tokenizer, source, split, n * body), head, n, body,
+                 window_tokens, what)
+
+
+#: tokens before the cut of a text prefix that are never used: a cut can change how the
+#: last words before it tokenize, never more than a few tokens back
+_CUT_MARGIN = 64
+#: characters read per needed token at first (English runs 4-5 per token)
+_CHARS_PER_TOKEN = 8
+
+
+def _stream_tokens(tokenizer, source, split: str, needed: int) -> list[int]:
+    """At least ``needed`` tokens of the text, as tokenizing it whole gives them (all of
+    them when the text is shorter), from a prefix doubled until it holds enough."""
+    chars = needed * _CHARS_PER_TOKEN + 4096
+    while True:
+        text, whole = read_text(source, split, chars)
+        if not whole:
+            line_end = text.rfind("\n", len(text) // 2)
+            text = text[:line_end + 1] if line_end >= 0 else text
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if whole or len(ids) >= needed + _CUT_MARGIN:
+            return ids if whole else ids[:needed]
+        chars *= 2

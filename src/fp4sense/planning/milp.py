@@ -29,7 +29,7 @@ from fp4sense import __version__, defaults
 from fp4sense.diagnosis import SensitivityReport
 from fp4sense.diagnosis.units import Unit, UnitMap
 from fp4sense.numerics.schemes import bits_per_weight, get_scheme, to_quantization_scheme
-from fp4sense.validate import UserError
+from fp4sense.validate import UserError, read_json
 
 __all__ = ["DEFAULT_MENU", "PLAN_VERSION", "Plan", "PlanError", "check_pins", "plan_cost",
            "solve"]
@@ -155,7 +155,11 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
-        d = json.loads(Path(path).read_text())
+        """A saved plan.json; one :class:`PlanError` naming the file when it is not one
+        (not JSON, cut short, a field missing or of the wrong kind)."""
+        d = read_json(Path(path), "plan", "plan again (fp4sense quantize writes it)")
+        if not isinstance(d, dict):
+            raise PlanError(f"{path}: not a plan (a JSON object); plan again")
         if d.get("version") != PLAN_VERSION:
             raise PlanError(f"{path}: plan layout version {d.get('version')!r}, this fp4sense "
                             f"reads {PLAN_VERSION}; plan again")
@@ -163,8 +167,18 @@ class Plan:
             d.pop(key, None)
         if "score" in d:  # plan.json of 0.4
             d["damage_source"] = d.pop("score")
-        d["choices"] = [Choice(**{**c, "modules": tuple(c["modules"])}) for c in d["choices"]]
-        return cls(**d)
+        try:
+            d["choices"] = [Choice(**{**c, "modules": tuple(c["modules"])})
+                            for c in d["choices"]]
+            plan = cls(**d)
+            for c in plan.choices:
+                get_scheme(c.scheme)
+        except (KeyError, TypeError) as exc:
+            raise PlanError(f"{path}: not a plan fp4sense can read ({type(exc).__name__}: "
+                            f"{exc}); plan again") from None
+        except UserError as exc:
+            raise PlanError(f"{path}: {exc}; plan again") from None
+        return plan
 
 
 def unit_bits(unit: Unit, scheme: str) -> float:
@@ -176,12 +190,23 @@ def unit_bits(unit: Unit, scheme: str) -> float:
 
 def _pin_matches(pattern: str, unit: Unit) -> bool:
     """A pin names a unit (``3:mlp.down_proj``) or matches module names: a regex, whole
-    name, or compressed-tensors' ``re:`` form (matched from the start)."""
+    name, or compressed-tensors' ``re:`` form (matched from the start). A pin that
+    matches some of a fused unit's linears but not all is refused: they share one scheme
+    (vLLM runs q/k/v, and gate/up, as one matrix product)."""
     if pattern == unit.name:
         return True
     if pattern.startswith("re:"):  # compressed-tensors' own target form, its own matcher
-        return any(match_name(m, pattern) for m in unit.modules)
-    return any(re.fullmatch(pattern, m) for m in unit.modules)
+        hits = [match_name(m, pattern) for m in unit.modules]
+    else:
+        hits = [bool(re.fullmatch(pattern, m)) for m in unit.modules]
+    if any(hits) and not all(hits) and unit.fused:
+        part = next(m for m, hit in zip(unit.modules, hits, strict=True) if hit)
+        leaves = "/".join(dict.fromkeys(m.rsplit(".", 1)[-1] for m in unit.modules))
+        raise PlanError(f"--pin {pattern!r} matches {part} but not all of its fused unit "
+                        f"{unit.name}: {leaves} share one scheme (vLLM runs them as one "
+                        f"product); pin the unit ('{unit.name}') or a regex matching all "
+                        "of them")
+    return any(hits)
 
 
 def check_pins(pins: Mapping[str, str] | None, menu: Sequence[str], units=None) -> dict:

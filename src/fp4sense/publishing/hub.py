@@ -15,6 +15,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from fp4sense.publishing.contents import outside_links, recorded_files, unpublishable
 from fp4sense.validate import EXIT_HUB_ERROR, UserError
 
 __all__ = ["HubError", "HubFile", "PushError", "ReadyFolder", "check_folder", "push",
@@ -144,7 +145,11 @@ def _read_card(path: Path) -> tuple[dict, list[str]]:
 def check_folder(folder: str | os.PathLike, allow_local_paths: bool = False) -> ReadyFolder:
     """Every check an upload needs, without the Hub; the files it would send.
 
-    Raises :class:`PushError` listing every problem found: no compressed-tensors
+    Raises :class:`PushError` listing every problem found: a file that is not one a
+    checkpoint holds (:data:`fp4sense.runtime.outputs.CHECKPOINT_FILES`: a private key, a
+    token file, anything else), a secret inside one, a link that leaves the folder, a
+    plan.json or recipe.yaml that does not load with the tools' own (safe) loaders or a
+    plan that contradicts the tensors beside it, no compressed-tensors
     quantization_config, a weight file or index entry missing or truncated, a weight
     file the index does not list, no tokenizer, a model card that does not validate, a
     JSON file that records absolute paths of this machine (unless ``allow_local_paths``:
@@ -181,7 +186,10 @@ def check_folder(folder: str | os.PathLike, allow_local_paths: bool = False) -> 
                         f"{', '.join(VOCABULARIES)}); save it with tokenizer.save_pretrained")
     card, card_problems = _read_card(folder / CARD_NAME)
     problems += card_problems
+    problems += outside_links(folder)
     files = _upload_files(folder)
+    problems += unpublishable(folder, files)
+    problems += recorded_files(folder)
     local = _local_paths(folder, files)
     if local and not allow_local_paths:
         problems += [f"{note}; paths of this machine would be published: quantize again with "

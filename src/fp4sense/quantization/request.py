@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fp4sense.inputs.assets import default_model_path
 from fp4sense.numerics.schemes import get_scheme, with_search_twins
 from fp4sense.planning.milp import check_pins
 from fp4sense.planning.select import check_menu
@@ -21,7 +22,7 @@ from fp4sense.publishing.lineage import hub_id_of
 from fp4sense.quantization.distill import DistillError
 from fp4sense.quantization.distill_settings import DistillSettings
 from fp4sense.runtime.devices import Placement, resolve
-from fp4sense.validate import check_quantize_output
+from fp4sense.runtime.outputs import guard_output, local_inputs
 
 if TYPE_CHECKING:
     from fp4sense.diagnosis.results import SensitivityReport
@@ -117,9 +118,10 @@ class Output:
     base_model_id: str | None
     evaluate: bool
 
-    def check(self, model) -> None:
-        # the user's model is never the output, nor inside it, nor holding it
-        check_quantize_output(model, self.out, overwrite=self.overwrite)
+    def check(self, model, text) -> None:
+        # the user's model and text are never the output, nor inside it, nor holding it
+        guard_output(self.out, inputs=local_inputs(model or default_model_path(), text),
+                     overwrite=self.overwrite)
 
     def check_lineage(self) -> None:
         if self.base_model_id is not None:
@@ -156,7 +158,7 @@ class QuantizeRequest:
         into groups, each checked in the order a user meets them: the output folder, the
         menu and pins, the placement, the lineage, the objective, the rounding, QAD."""
         output = Output(Path(out_dir), overwrite, base_model_id, evaluate)
-        output.check(model)
+        output.check(model, text)
         objective = Objective.parse(
             budget_bits=budget_bits, budget_bytes=budget_bytes, kl_target=kl_target,
             menu=menu, pins=pins, sensitivity=sensitivity, sensitivity_mode=sensitivity_mode,

@@ -10,9 +10,7 @@ it in one rename. It returns a :class:`QuantizeResult`."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -25,7 +23,7 @@ from fp4sense.evaluation.evaluate import evaluate_checkpoint
 from fp4sense.evaluation.metrics import implausible
 from fp4sense.inputs.models import QUANTIZE_INSTEAD, analysis_windows, load_model
 from fp4sense.inputs.moe import stored_expert_names
-from fp4sense.inputs.texts import window_prefix
+from fp4sense.inputs.texts import model_context, window_prefix
 from fp4sense.planning.milp import Plan, check_pins, plan_cost, solve
 from fp4sense.planning.select import check_quantizes, select_on_calibration
 from fp4sense.publishing.lineage import hub_id_of, public_name, text_name, write_local_record
@@ -35,7 +33,7 @@ from fp4sense.quantization.request import QuantizeRequest
 from fp4sense.quantization.rounded import RoundedWeights, round_beside, rounding_dir
 from fp4sense.reports.model_card import write_model_card
 from fp4sense.runtime import distributed
-from fp4sense.validate import publish_folder, remove_dead_partials, write_owner
+from fp4sense.runtime.outputs import publish_folder, work_folder
 
 __all__ = ["QuantizeResult", "QuantizeRun", "oneshot_plan"]
 
@@ -135,7 +133,7 @@ class QuantizeRun:
             check_pins(r.objective.pins, list(r.objective.menu), find_units(self.model))
         self.hub_id = hub_id_of(self.source, r.output.base_model_id)
         self.calib = analysis_windows(self.tokenizer, w.text, w.calib_windows, w.window_tokens,
-                                      w.raw_windows)
+                                      w.raw_windows, model_context(self.model.config))
         self.calibration = {
             "dtype": r.placement.dtype_name,
             "stored_dtype": str(self.model.fp4sense_stored_dtype).removeprefix("torch."),
@@ -281,24 +279,6 @@ def with_bias(units: list[Unit], model) -> list[Unit]:
     modules = dict(model.named_modules())
     return [replace(u, bias=u.bias or any(getattr(modules.get(m), "bias", None) is not None
                                           for m in u.modules)) for u in units]
-
-
-def work_folder(out: Path, log) -> Path:
-    """A new work folder beside ``out`` (published by one rename at the end), marked with
-    its writer; partial folders of provably dead runs are removed first."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for note in remove_dead_partials(out.parent, out.name):
-        log(f"note: {note}")
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        work.chmod(0o777 & ~umask)  # a normal folder once published, not mkdtemp's 0700
-        write_owner(work)  # a later run may remove this folder once this process is gone
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)  # unmarked: no later run could remove it
-        raise
-    return work
 
 
 def oneshot_plan(source: str, calib, work: Path, *, plan: str, gptq: bool, distill=None,

@@ -1,2 +1,3 @@
 """Where the work runs: the device and dtype (``devices``), the ranks of a torchrun launch
-(``distributed``) and the memory a run will need, said before it starts (``memory``)."""
+(``distributed``), the memory a run will need, said before it starts (``memory``), and
+the output folder a run writes, by the one ``--out`` rule (``outputs``)."""
