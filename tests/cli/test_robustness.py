@@ -91,21 +91,21 @@ def test_out_is_the_model_itself(tiny_llama, text_file):
     before = _snapshot(tiny_llama)
     proc = _run("quantize", tiny_llama, "--budget", "5", "--out", tiny_llama, "--overwrite",
                 "--text", text_file, *SMALL)
-    _one_line(proc, 1, "--out", "model folder")
+    _one_line(proc, 1, "--out", "the input")
     assert _snapshot(tiny_llama) == before
 
 
 def test_out_holding_the_model(tiny_llama, text_file):
     proc = _run("quantize", tiny_llama, "--budget", "5", "--out", tiny_llama.parent,
                 "--overwrite", "--text", text_file, *SMALL)
-    _one_line(proc, 1, "--out", "model folder")
+    _one_line(proc, 1, "--out", "the input")
     assert (tiny_llama / "config.json").is_file()
 
 
 def test_out_inside_the_model(tiny_llama, text_file):
     proc = _run("quantize", tiny_llama, "--budget", "5", "--out", tiny_llama / "q",
                 "--text", text_file, *SMALL)
-    _one_line(proc, 1, "--out", "model folder")
+    _one_line(proc, 1, "--out", "the input")
     assert not (tiny_llama / "q").exists()
 
 
