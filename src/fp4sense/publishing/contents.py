@@ -6,8 +6,10 @@ what to do (``push`` lists them all and uploads nothing)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import yaml
@@ -18,7 +20,7 @@ from fp4sense.planning.milp import Plan
 from fp4sense.runtime.outputs import CHECKPOINT_FILES, is_checkpoint_file
 from fp4sense.validate import UserError
 
-__all__ = ["SECRETS", "outside_links", "recorded_files", "unpublishable"]
+__all__ = ["SECRETS", "local_paths", "outside_links", "recorded_files", "unpublishable"]
 
 #: secrets a text file must not carry to the Hub: kind -> pattern (each a documented
 #: token format: Hugging Face user access tokens, PEM private keys, AWS access key ids,
@@ -51,7 +53,7 @@ def outside_links(folder: Path) -> list[str]:
     return found
 
 
-def unpublishable(folder: Path, files) -> list[str]:
+def unpublishable(folder: Path, files: Iterable) -> list[str]:
     """Files an upload would send that a checkpoint does not hold (a private key, a token
     or credentials file, a stray note: the allowlist is
     :data:`~fp4sense.runtime.outputs.CHECKPOINT_FILES`), and allowed text files that
@@ -135,3 +137,53 @@ def _plan_against(path: Path, plan: Plan, stored: dict) -> list[str]:
                 return [f"{path}: gives {choice.unit} {choice.scheme}, but {module} is stored "
                         f"{have}; the plan is not this checkpoint's: restore its plan.json"]
     return []
+
+
+#: files read for paths of this machine: every text file a checkpoint folder holds
+_TEXT_SUFFIXES = (".json", ".md", ".yaml", ".yml", ".txt", ".jinja", ".py", ".cfg")
+#: an absolute path in free text (README, recipe.yaml): /a/b... up to a space or quote
+_PATH_IN_TEXT = re.compile(r"(?<![\w.:/~-])(/[\w.+@-]+(?:/[\w.+@-]+)+)")
+
+
+def _machine_path(value: str) -> bool:
+    """An absolute path of this machine: it, or the folder it names a file in, exists
+    (deeper than ``/tmp`` or ``/home``: those say nothing of the user)."""
+    if not os.path.isabs(value):
+        return False
+    path = Path(value)
+    return any(len(p.parts) > 2 and p.exists() for p in (path, path.parent))
+
+
+def local_paths(folder: Path, files: Iterable) -> list[str]:
+    """The text files to upload (JSON, YAML, Markdown, ...) that name absolute paths of
+    this machine (one line each, naming the file and the first paths)."""
+    def walk(value, key: str = ""):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                yield from walk(v, k)
+        elif isinstance(value, list):
+            for v in value:
+                yield from walk(v, key)
+        elif isinstance(value, str) and _machine_path(value):
+            yield key, value
+
+    notes = []
+    for f in files:
+        if not f.path.endswith(_TEXT_SUFFIXES) or Path(f.path).name.startswith(
+                ("tokenizer", "vocab", "merges")):  # vocabularies hold "/" pieces
+            continue
+        try:
+            text = (folder / f.path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        try:
+            found = sorted(set(walk(json.loads(text)))) if f.path.endswith(".json") else []
+        except ValueError:
+            found = []
+        found += sorted({("", m) for m in _PATH_IN_TEXT.findall(text) if _machine_path(m)}
+                        - {("", v) for _, v in found})
+        if found:
+            shown = ", ".join(f"{k or 'text'}: {v}" for k, v in found[:3])
+            notes.append(f"{f.path} records {len(found)} path(s) of this machine ({shown}"
+                         f"{', ...' if len(found) > 3 else ''})")
+    return notes

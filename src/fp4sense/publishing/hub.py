@@ -15,7 +15,12 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fp4sense.publishing.contents import outside_links, recorded_files, unpublishable
+from fp4sense.publishing.contents import (
+    local_paths,
+    outside_links,
+    recorded_files,
+    unpublishable,
+)
 from fp4sense.validate import EXIT_HUB_ERROR, UserError
 
 __all__ = ["HubError", "HubFile", "PushError", "ReadyFolder", "check_folder", "push",
@@ -190,7 +195,7 @@ def check_folder(folder: str | os.PathLike, allow_local_paths: bool = False) -> 
     files = _upload_files(folder)
     problems += unpublishable(folder, files)
     problems += recorded_files(folder)
-    local = _local_paths(folder, files)
+    local = local_paths(folder, files)
     if local and not allow_local_paths:
         problems += [f"{note}; paths of this machine would be published: quantize again with "
                      "this fp4sense, or pass --allow-local-paths to upload them as they are"
@@ -205,56 +210,6 @@ def check_folder(folder: str | os.PathLike, allow_local_paths: bool = False) -> 
                      "checkpoint under its base model; quantize with --base-model-id ORG/NAME "
                      "or add base_model to the card")
     return ReadyFolder(str(folder), files, fmt, card, notes)
-
-
-#: files read for paths of this machine: every text file a checkpoint folder holds
-_TEXT_SUFFIXES = (".json", ".md", ".yaml", ".yml", ".txt", ".jinja", ".py", ".cfg")
-#: an absolute path in free text (README, recipe.yaml): /a/b... up to a space or quote
-_PATH_IN_TEXT = re.compile(r"(?<![\w.:/~-])(/[\w.+@-]+(?:/[\w.+@-]+)+)")
-
-
-def _machine_path(value: str) -> bool:
-    """An absolute path of this machine: it, or the folder it names a file in, exists
-    (deeper than ``/tmp`` or ``/home``: those say nothing of the user)."""
-    if not os.path.isabs(value):
-        return False
-    path = Path(value)
-    return any(len(p.parts) > 2 and p.exists() for p in (path, path.parent))
-
-
-def _local_paths(folder: Path, files: list[HubFile]) -> list[str]:
-    """The text files to upload (JSON, YAML, Markdown, ...) that name absolute paths of
-    this machine (one line each, naming the file and the first paths)."""
-    def walk(value, key: str = ""):
-        if isinstance(value, dict):
-            for k, v in value.items():
-                yield from walk(v, k)
-        elif isinstance(value, list):
-            for v in value:
-                yield from walk(v, key)
-        elif isinstance(value, str) and _machine_path(value):
-            yield key, value
-
-    notes = []
-    for f in files:
-        if not f.path.endswith(_TEXT_SUFFIXES) or Path(f.path).name.startswith(
-                ("tokenizer", "vocab", "merges")):  # vocabularies hold "/" pieces
-            continue
-        try:
-            text = (folder / f.path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        try:
-            found = sorted(set(walk(json.loads(text)))) if f.path.endswith(".json") else []
-        except ValueError:
-            found = []
-        found += sorted({("", m) for m in _PATH_IN_TEXT.findall(text) if _machine_path(m)}
-                        - {("", v) for _, v in found})
-        if found:
-            shown = ", ".join(f"{k or 'text'}: {v}" for k, v in found[:3])
-            notes.append(f"{f.path} records {len(found)} path(s) of this machine ({shown}"
-                         f"{', ...' if len(found) > 3 else ''})")
-    return notes
 
 
 def _upload_files(folder: Path) -> list[HubFile]:
