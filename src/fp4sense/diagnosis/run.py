@@ -73,7 +73,7 @@ def analyze_model(
         model, placement.dtype, "cpu" if offload_dir is not None else placement.device,
         low_memory=low_memory)
     windows = analysis_windows(tokenizer, text, n_windows, window_tokens, raw_windows,
-                               model_context(hf_model.config))
+                               model_context(hf_model.config), log)
     report = analyze(
         hf_model, windows, schemes=schemes, views=views, modes=modes, grid_blocks=grid_blocks,
         cache_dir=cache_folder,

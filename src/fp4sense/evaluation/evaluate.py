@@ -64,7 +64,7 @@ def evaluate_checkpoint(
     windows = protocol_windows(tokenizer, "evaluation", n_windows, text, window_tokens,
                                raw_windows, model_context(read_json(
                                    folder / "config.json", "checkpoint's config",
-                                   "restore it from the checkpoint's source")))
+                                   "restore it from the checkpoint's source")), log)
     base_model, _, _ = load_model(base, placement.dtype, placement.device)
     _check_base_matches(folder, base_model, base)
     quant, act_layers, notes = load_checkpoint(folder, as_served, placement.device,

@@ -3,8 +3,9 @@
 transformers reads GGUF (dequantizing it) with ``gguf_file=``, but refuses to
 ``save_pretrained`` a model loaded that way. So the weights are read once, a fresh
 model is built from the config, the state dict loaded into it, and the result saved as
-safetensors with its tokenizer. Works for any architecture transformers' GGUF loader
-knows (Llama, Qwen2/3, Mistral, Gemma, ...).
+safetensors with its tokenizer, built as the GGUF tokenizes and checked against the
+GGUF's own vocabulary (:mod:`fp4sense.inputs.gguf_tokenizer`). Works for any
+architecture transformers' GGUF loader knows (Llama, Qwen2/3, Mistral, Gemma, ...).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from fp4sense.inputs.gguf_tokenizer import check_tokenizer, gguf_tokenizer
 from fp4sense.runtime.outputs import guard_output, publish_folder, work_folder
 from fp4sense.validate import UserError
 
@@ -71,6 +73,7 @@ def convert_gguf(
         raise GGUFConversionError(f"could not read GGUF file {gguf_path}: {exc}") from exc
     state = loaded.state_dict()
     del loaded
+    tokenizer = gguf_tokenizer(gguf_path, tokenizer)  # as the GGUF tokenizes
     special_tokens(tokenizer, gguf_path)
     if name_or_path:
         # GGUF's general.name is often an internal run name; record the real origin
@@ -93,6 +96,7 @@ def convert_gguf(
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        check_tokenizer(tmp, gguf_path)  # the same ids as the GGUF's own vocabulary
         publish_folder(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -7,6 +7,7 @@ import copy
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -243,10 +244,11 @@ def _check_finite(model: torch.nn.Module, source: str) -> None:
 
 def analysis_windows(tokenizer, text: str | os.PathLike | None = None, n_windows: int =
                      DEFAULT_ANALYSIS_WINDOWS, window_tokens: int = defaults.WINDOW_TOKENS,
-                     raw: bool = False, context: int | None = None) -> torch.Tensor:
+                     raw: bool = False, context: int | None = None,
+                     log: Callable[[str], None] | None = None) -> torch.Tensor:
     """Analysis windows: the protocol's calibration split, or ``text`` (a file path or
     ``dataset:NAME[:CONFIG][:SPLIT]``). Never the evaluation split. Each starts as the
     tokenizer starts a sequence, unless ``raw`` (:func:`fp4sense.inputs.texts.make_windows`)."""
 
     return protocol_windows(tokenizer, "calibration", n_windows, text, window_tokens, raw,
-                            context)
+                            context, log)

@@ -17,6 +17,7 @@ and a margin of tokens before the cut is never used).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ __all__ = [
     "make_windows",
     "protocol_windows",
     "sequence_prefix",
+    "tokenizer_warning",
     "window_prefix",
 ]
 
@@ -182,11 +184,14 @@ def _rows(ids: list[int], head: list[int], n_windows: int, body: int, window_tok
 def protocol_windows(tokenizer, split: str, n_windows: int | None = None,
                      source: str | os.PathLike | None = None,
                      window_tokens: int = WINDOW_TOKENS, raw: bool = False,
-                     context: int | None = None) -> torch.Tensor:
+                     context: int | None = None,
+                     log: Callable[[str], None] | None = None) -> torch.Tensor:
     """Windows of the protocol's split (calibration: 32, evaluation: 16 by default), or
     of ``source`` (a text file or ``dataset:...``) in its place; each starts with the
     tokenizer's :func:`sequence_prefix` unless ``raw``. ``context``: the model's
-    context length, which a window may not exceed. The text is read as a stream."""
+    context length, which a window may not exceed. The text is read as a stream. A
+    tokenizer that gives about one token per character (:func:`tokenizer_warning`) is
+    named through ``log`` before any work."""
     n = n_windows if n_windows is not None else (
         CALIB_WINDOWS if split == "calibration" else EVAL_WINDOWS)
     if n < 1 or window_tokens < 1:
@@ -201,8 +206,11 @@ def protocol_windows(tokenizer, split: str, n_windows: int | None = None,
     body = window_tokens - len(head)
     if body < 1:
         return make_windows(tokenizer, "", n, window_tokens, what, raw)  # says why
-    return _rows(_stream_tokens(tokenizer, source, split, n * body), head, n, body,
-                 window_tokens, what)
+    ids, read = _stream_tokens(tokenizer, source, split, n * body)
+    warning = tokenizer_warning(tokenizer, read, len(ids))
+    if warning and log is not None:
+        log(warning)
+    return _rows(ids, head, n, body, window_tokens, what)
 
 
 #: tokens before the cut of a text prefix that are never used: a cut can change how the
@@ -212,9 +220,10 @@ _CUT_MARGIN = 64
 _CHARS_PER_TOKEN = 8
 
 
-def _stream_tokens(tokenizer, source, split: str, needed: int) -> list[int]:
+def _stream_tokens(tokenizer, source, split: str, needed: int) -> tuple[list[int], str]:
     """At least ``needed`` tokens of the text, as tokenizing it whole gives them (all of
-    them when the text is shorter), from a prefix doubled until it holds enough."""
+    them when the text is shorter), from a prefix doubled until it holds enough; and the
+    prefix they were read from."""
     chars = needed * _CHARS_PER_TOKEN + 4096
     while True:
         text, whole = read_text(source, split, chars)
@@ -223,5 +232,29 @@ def _stream_tokens(tokenizer, source, split: str, needed: int) -> list[int]:
             text = text[:line_end + 1] if line_end >= 0 else text
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if whole or len(ids) >= needed + _CUT_MARGIN:
-            return ids if whole else ids[:needed]
+            return ids, text
         chars *= 2
+
+
+#: fewer characters per token than this on text that is not mostly CJK (where a token
+#: per character is normal): a tokenizer that splits words into characters (subword
+#: tokenizers give 3-5 on English prose)
+MIN_CHARS_PER_TOKEN = 1.5
+
+
+def tokenizer_warning(tokenizer, text: str, n_tokens: int) -> str | None:
+    """One warning line when ``tokenizer`` gave ``text`` about a token per character,
+    naming the tokenizer's folder; None when it looks like a subword tokenizer."""
+    if not n_tokens or not text:
+        return None
+    wide = sum(1 for c in text if ord(c) >= 0x2E80)  # CJK and beyond: a token a character
+    if wide > 0.3 * len(text):
+        return None
+    per_token = len(text) / n_tokens
+    if per_token >= MIN_CHARS_PER_TOKEN:
+        return None
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    return (f"warning: the tokenizer {name} gives {per_token:.2f} characters per token on this "
+            f"text (subword tokenizers give 3-5): it looks broken (words split into "
+            "characters), so every figure would come from tokens the model never sees "
+            "when served; check its tokenizer.json (convert-gguf it again with this fp4sense)")

@@ -133,7 +133,8 @@ class QuantizeRun:
             check_pins(r.objective.pins, list(r.objective.menu), find_units(self.model))
         self.hub_id = hub_id_of(self.source, r.output.base_model_id)
         self.calib = analysis_windows(self.tokenizer, w.text, w.calib_windows, w.window_tokens,
-                                      w.raw_windows, model_context(self.model.config))
+                                      w.raw_windows, model_context(self.model.config),
+                                      self.log)
         self.calibration = {
             "dtype": r.placement.dtype_name,
             "stored_dtype": str(self.model.fp4sense_stored_dtype).removeprefix("torch."),
