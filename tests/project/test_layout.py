@@ -154,3 +154,34 @@ def test_tests_mirror_the_stages():
     folders = {p.parent.name for p in tests.rglob("test_*.py")}
     assert folders <= packages | {"models", "project"}, folders - packages
     assert len(folders & packages) >= 8
+
+
+def test_registries_refuse_a_duplicate_name_naming_both_registrants():
+    """A format, a report view or a rendering registered under a taken name is one
+    RegistryError naming the first registrant and the second (as compressed-tensors'
+    RegistryMixin refuses one); the registry keeps the first."""
+    from fp4sense.diagnosis.views import REPORT_VIEWS, register_view
+    from fp4sense.numerics.formats import FORMATS, NVFP4, register_format
+    from fp4sense.reports.analysis import RENDERINGS, register_rendering
+    from fp4sense.validate import RegistryError
+
+    class Impostor(type(NVFP4)):
+        name = "nvfp4"
+
+    def component(units, blocks):
+        return []
+
+    def tables(report):
+        return []
+
+    before = (FORMATS["nvfp4"], REPORT_VIEWS["component"], RENDERINGS["component"])
+    for register, first in ((lambda: register_format(Impostor), "numerics.formats.NVFP4"),
+                            (lambda: register_view("component", "component")(component),
+                             "diagnosis.views._component"),
+                            (lambda: register_rendering("component")(tables),
+                             "reports.analysis._component_tables")):
+        with pytest.raises(RegistryError, match="registered twice") as caught:
+            register()
+        line = str(caught.value)
+        assert first in line and "test_layout." in line and "\n" not in line
+    assert (FORMATS["nvfp4"], REPORT_VIEWS["component"], RENDERINGS["component"]) == before

@@ -47,6 +47,7 @@ from fp4sense.diagnosis.units import Unit, UnitMap, find_units, model_fingerprin
 from fp4sense.inputs.models import quantization_dtypes
 from fp4sense.numerics.schemes import get_scheme, rotations_of
 from fp4sense.runtime import distributed
+from fp4sense.validate import register_unique
 
 __all__ = ["MODES", "REPORT_VIEWS", "VIEWS", "ReportView", "analyze", "check_request",
            "register_view", "view_options"]
@@ -81,7 +82,8 @@ def register_view(name: str, option: str, measure: Measure = _isolated):
     """Decorator on a targets function ``(units, grid_blocks) -> [(target, members)]``:
     makes it the report view ``name``, computed when ``--views`` holds ``option``."""
     def deco(targets: Targets) -> Targets:
-        REPORT_VIEWS[name] = ReportView(name, option, targets, measure)
+        register_unique(REPORT_VIEWS, name, ReportView(name, option, targets, measure),
+                        targets, "report view")
         return targets
     return deco
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from fp4sense.numerics.e2m1 import E2M1_MAX, E2M1Error
+from fp4sense.validate import register_unique
 
 __all__ = [
     "E4M3_MAX",
@@ -63,7 +64,7 @@ FORMATS: dict[str, FP4Format] = {}
 
 def register_format(cls: type[FP4Format]) -> type[FP4Format]:
     """Class decorator: make an FP4 format available by its name (``get_format``)."""
-    FORMATS[cls.name] = cls()
+    register_unique(FORMATS, cls.name, cls(), cls, "FP4 format")
     return cls
 
 

@@ -24,6 +24,7 @@ from fp4sense.reports.plots import (
     table_mode,
 )
 from fp4sense.reports.rotation import plot_rotation, rotation_findings
+from fp4sense.validate import register_unique
 
 __all__ = ["RENDERINGS", "Rendering", "findings", "markdown", "register_rendering",
            "write_analysis"]
@@ -150,7 +151,8 @@ def register_rendering(view: str, *, plot=None, plot_name: str | None = None,
     view ``view`` (registered in :mod:`fp4sense.diagnosis.views`) in report.md, with
     ``plot`` saved as ``plot_name``.png."""
     def deco(tables):
-        RENDERINGS[view] = Rendering(view, tables, plot, plot_name, title, also)
+        register_unique(RENDERINGS, view, Rendering(view, tables, plot, plot_name, title, also),
+                        tables, "rendering of the view")
         return tables
     return deco
 
