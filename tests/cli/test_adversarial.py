@@ -467,6 +467,8 @@ def test_streamed_windows_equal_the_whole_texts(kind, tmp_path):
                          ids=["q-alone", "gate-alone"])
 def test_a_pin_on_part_of_a_fused_unit_names_the_unit(tiny_llama, text_file, tmp_path,
                                                       pin, unit):
+    """A pin on q_proj alone pins the fused q/k/v whole; when that makes the budget
+    infeasible, the line says so (it named only the budget before)."""
     proc = _run("quantize", tiny_llama, "--budget", "5", "--pin", pin, "--text", text_file,
                 *SMALL, "--out", tmp_path / "q")
     line = _one_line(proc, 1, "share one scheme", unit)

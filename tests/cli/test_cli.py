@@ -191,7 +191,7 @@ def test_a_wrong_out_is_refused_before_torch_is_imported(tmp_path):
              "print(rc, 'torch' in sys.modules)")
     for args, culprit in (
             (["quantize", str(model), "--budget", "5", "--out", str(model / "q")],
-             "is, holds or is inside the model folder"),
+             "is, holds or is inside the input"),
             (["analyze", str(model), "--out", str(tmp_path / "file")], "is an existing file"),
             (["analyze", str(model), "--out", str(tmp_path / "a")], "the analysis cache")):
         env = {"FP4SENSE_CACHE": str(tmp_path / "file")} if culprit.endswith("cache") else {}

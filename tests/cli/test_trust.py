@@ -147,7 +147,8 @@ def test_the_uploaded_folder_holds_nothing_private(quantized, tiny_llama, text_f
 def test_push_names_a_path_in_any_text_file(tmp_path):
     """The upload check reads README.md and recipe.yaml for paths of this machine, not only
     JSON files."""
-    from fp4sense.publishing.hub import HubFile, _local_paths
+    from fp4sense.publishing.contents import local_paths as _local_paths
+    from fp4sense.publishing.hub import HubFile
 
     real = tmp_path / "models" / "base"
     real.mkdir(parents=True)

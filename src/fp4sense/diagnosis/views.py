@@ -1,26 +1,24 @@
 """Views of a model's FP4 sensitivity, and ``analyze``, which runs them.
 
 A *report view* says which units each of its targets perturbs and how a measured run
-replays it; it is registered with :func:`register_view` under the ``--views`` option
-that asks for it. Built in: ``component`` (one kind in every block, fused groups and
-their single linears), ``model`` (everything: the uniform baseline), ``block_isolate``
-(one block quantized), ``block_protect`` (all blocks but one; blocks before it replay the
-fully quantized model), ``grid`` (every unit alone), ``expert`` (MoE: each expert of each
-block alone). The estimated mode scores every linear once and sums a target's linears,
-for every view alike.
+replays it; it is registered with :func:`register_view` under the ``--views`` option that
+asks for it. Built in: ``component`` (one kind in every block, fused groups and their
+single linears), ``model`` (everything: the uniform baseline), ``block_isolate`` (one
+block quantized), ``block_protect`` (all blocks but one; blocks before it replay the fully
+quantized model), ``grid`` (every unit alone), ``expert`` (MoE: each expert of each block
+alone). The estimated mode scores every linear once and sums a target's linears.
 
 *Measured*: the real damage when only the perturbed units run fake-quantized
-(:mod:`fp4sense.numerics.fakequant`), as KL(base || quantized), ΔPPL and top-1 agreement on the
-analysis windows, each with its standard error over windows. The unquantized model's
-output of every block is cached once per window; a perturbation whose first changed
-block is ``b`` replays the cached output for blocks ``< b`` and computes only blocks
-``b..L-1``.
+(:mod:`fp4sense.numerics.fakequant`), as KL(base || quantized), ΔPPL and top-1 agreement
+on the analysis windows, each with its standard error over windows. Each block's
+unquantized output is cached once per window; a perturbation whose first changed block
+is ``b`` replays it for blocks ``< b`` and computes only blocks ``b..L-1``.
 
 *Estimated*: one forward + backward per window scores every (linear, scheme) at once by
-the diagonal Fisher form of the output error, ``½ Σ (g ⊙ ΔY)²`` per predicted token,
-where ``g`` is the gradient of the log-likelihood of tokens sampled from the base model
-(the Fisher of KL(base || ·)) at the linear's output and ``ΔY`` the change of that output
-when weights (and, for W4A4 / W8A8, inputs) are fake-quantized.
+the diagonal Fisher form of the output error, ``½ Σ (g ⊙ ΔY)²`` per predicted token, where
+``g`` is the gradient of the log-likelihood of tokens sampled from the base model (the
+Fisher of KL(base || ·)) at the linear's output and ``ΔY`` the change of that output when
+weights (and, for W4A4 / W8A8, inputs) are fake-quantized.
 """
 
 from __future__ import annotations

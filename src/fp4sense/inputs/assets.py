@@ -29,11 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fp4sense.defaults import cache_dir
+from fp4sense.defaults import CACHE_ENV, cache_dir
 from fp4sense.validate import EXIT_ASSET_ERROR, UserError
 
 __all__ = [
     "AssetError",
+    "CACHE_ENV",
     "MODEL_PACKAGE",
     "TEXT_PACKAGE",
     "cache_dir",

@@ -40,25 +40,37 @@ def unit_bits(unit: Unit, scheme: str) -> float:
     return total / unit.numel
 
 
-def _pin_matches(pattern: str, unit: Unit) -> bool:
-    """A pin names a unit (``3:mlp.down_proj``) or matches module names: a regex, whole
-    name, or compressed-tensors' ``re:`` form (matched from the start). A pin that
-    matches some of a fused unit's linears but not all is refused: they share one scheme
-    (vLLM runs q/k/v, and gate/up, as one matrix product)."""
+def _pin_hits(pattern: str, unit: Unit) -> list[bool]:
+    """Which of the unit's modules a pin matches: a unit's name (``3:mlp.down_proj``)
+    matches them all; else a regex over module names, whole name, or compressed-tensors'
+    ``re:`` form (matched from the start)."""
     if pattern == unit.name:
-        return True
+        return [True] * len(unit.modules)
     if pattern.startswith("re:"):  # compressed-tensors' own target form, its own matcher
-        hits = [match_name(m, pattern) for m in unit.modules]
-    else:
-        hits = [bool(re.fullmatch(pattern, m)) for m in unit.modules]
-    if any(hits) and not all(hits) and unit.fused:
-        part = next(m for m, hit in zip(unit.modules, hits, strict=True) if hit)
-        leaves = "/".join(dict.fromkeys(m.rsplit(".", 1)[-1] for m in unit.modules))
-        raise PlanError(f"--pin {pattern!r} matches {part} but not all of its fused unit "
-                        f"{unit.name}: {leaves} share one scheme (vLLM runs them as one "
-                        f"product); pin the unit ('{unit.name}') or a regex matching all "
-                        "of them")
-    return any(hits)
+        return [match_name(m, pattern) for m in unit.modules]
+    return [bool(re.fullmatch(pattern, m)) for m in unit.modules]
+
+
+def _pin_matches(pattern: str, unit: Unit) -> bool:
+    """A pin that matches any of a unit's modules pins the whole unit (a fused unit's
+    linears share one scheme: vLLM runs q/k/v, and gate/up, as one matrix product)."""
+    return any(_pin_hits(pattern, unit))
+
+
+def fused_pins(pins: Mapping[str, str], units: Sequence[Unit]) -> str:
+    """What a budget error adds when a pin matches only part of fused units: that it pins
+    those units whole ('' when no pin does)."""
+    for pattern, scheme in pins.items():
+        partial = [u for u in units if u.fused and any(_pin_hits(pattern, u))
+                   and not all(_pin_hits(pattern, u))]
+        if partial:
+            u = partial[0]
+            leaves = "/".join(dict.fromkeys(m.rsplit(".", 1)[-1] for m in u.modules))
+            return (f"; --pin {pattern}={scheme} matches part of {len(partial)} fused "
+                    f"unit(s) (e.g. {u.name}) and pins them whole: {leaves} share one "
+                    "scheme (vLLM runs them as one product), so pin fewer units or raise "
+                    "the budget")
+    return ""
 
 
 def check_pins(pins: Mapping[str, str] | None, menu: Sequence[str], units=None) -> dict:
@@ -178,7 +190,8 @@ def solve(
             raise PlanError(
                 f"budget {asked} is below what the menu {', '.join(menu)} can reach on this "
                 f"model: {lo:.3f}–{hi:.3f} bits per weight "
-                f"({lo * total / 8:,.0f}–{hi * total / 8:,.0f} bytes)")
+                f"({lo * total / 8:,.0f}–{hi * total / 8:,.0f} bytes)"
+                + fused_pins(pins, units))
         cost = dmg
         constraints.append(LinearConstraint(bits[None], 0, limit))
     res = milp(c=cost, constraints=constraints, integrality=np.ones(n), bounds=Bounds(0, 1),
@@ -186,7 +199,8 @@ def solve(
     if res.status != 0 or res.x is None:
         if kl_target is not None:
             raise PlanError(f"no plan on the menu {', '.join(menu)} keeps the predicted KL "
-                            f"under {kl_target}; raise the target or add a wider scheme")
+                            f"under {kl_target}; raise the target or add a wider scheme"
+                            + fused_pins(pins, units))
         raise PlanError(f"the planner found no solution ({res.message})")  # pragma: no cover
     chosen = [options[j] for j in np.flatnonzero(res.x > 0.5)]
     k = report.units.experts_per_token

@@ -2,7 +2,9 @@
 (analyze, quantize, convert-gguf, and any later command).
 
 - never the inputs: ``--out`` is not an input, does not hold one (a parent of an input,
-  the folder that holds the GGUF), is not inside one, and is not the current folder;
+  the folder that holds the GGUF), is not inside one, and is not the current folder
+  (analyze, which adds its files to a folder and replaces none of the user's, may write
+  beside its inputs, never into the model's folder);
 - ``--overwrite`` replaces only a folder fp4sense wrote, holding nothing it did not write
   (a ledger in the fp4sense cache records what each published folder held);
 - one writer: an exclusive lock per ``--out`` (:func:`claim_output`) before it is judged;
@@ -79,8 +81,10 @@ def guard_output(out: str | os.PathLike, *, inputs: Iterable[str | os.PathLike] 
     """The one ``--out`` rule (module docstring); raises :class:`InputError` naming the
     culprit. ``inputs``: the files and folders the command reads (the model, the GGUF,
     the text). ``replaces``: the command publishes a whole new folder (quantize,
-    convert-gguf); False for analyze, which writes its files into the folder and so may
-    rerun into the folder it wrote. Returns ``out``."""
+    convert-gguf); False for analyze, which writes its files into the folder, leaving the
+    others: it may write where no file of the user's has one of the names it writes
+    (report.md, sensitivity.json, plots), so it reruns into the folder it wrote, and
+    beside the text it read, but never into the model's folder. Returns ``out``."""
     out = Path(out)
     if out.is_symlink():
         raise InputError(f"--out {out} is a symbolic link to {os.readlink(out)}; fp4sense "
@@ -88,12 +92,14 @@ def guard_output(out: str | os.PathLike, *, inputs: Iterable[str | os.PathLike] 
                          f"its target ({out.resolve()}) as --out, or another folder")
     claim_output(out)  # before the folder is judged: no run can publish in between
     target, here = out.resolve(), Path.cwd().resolve()
-    if target == here or target in here.parents:
+    if replaces and (target == here or target in here.parents):
         raise InputError(f"--out {out} is the current folder or holds it; fp4sense writes "
                          "a new folder there in one rename: name a new folder")
     for path in inputs:
         p = Path(path).resolve()
-        if target == p or target in p.parents or p in target.parents:
+        # a folder published by rename must not hold an input; files written into a
+        # folder (analyze) must not change an input folder
+        if target == p or p in target.parents or (replaces and target in p.parents):
             raise InputError(f"--out {out} is, holds or is inside the input {path}; it would "
                              "be lost or changed: choose another folder")
     if out.exists() and not out.is_dir():
@@ -102,7 +108,7 @@ def guard_output(out: str | os.PathLike, *, inputs: Iterable[str | os.PathLike] 
         if replaces and not overwrite:
             raise InputError(f"{out} exists and is not empty; choose another --out or pass "
                              "--overwrite")
-        stranger = foreign_files(out)
+        stranger = [f for f in foreign_files(out) if replaces or is_checkpoint_file(f)]
         if stranger:
             raise InputError(
                 f"--out {out} holds {stranger[0]!r}" + (f" and {len(stranger) - 1} more"
