@@ -28,8 +28,8 @@ def run(args: argparse.Namespace) -> int:
     from fp4sense.diagnosis import analyze
     from fp4sense.diagnosis.cache import EntryCache
     from fp4sense.diagnosis.engine import Analysis
-    from fp4sense.diagnosis.units import find_units
     from fp4sense.diagnosis.views import REPORT_VIEWS
+    from fp4sense.structure.units import find_units
 
     t = time.perf_counter()
     model, tok, _ = load_model(None)

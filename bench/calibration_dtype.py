@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         print(rows[-1], flush=True)
     folders = {r["run"]: args.work / r["run"] / r["dtype"] for r in rows}
 
-    from fp4sense.evaluation.evaluate import evaluate_checkpoint
+    from fp4sense.jobs.evaluate import evaluate_checkpoint
     from fp4sense.runtime.devices import cpu_has_native_bf16
 
     same_bytes = ((folders["float32"] / "model.safetensors").read_bytes()

@@ -78,8 +78,8 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or RESULTS / f"gptq_scores_{args.menu.replace('-', '_')}.json"
 
     from fp4sense.diagnosis import SensitivityReport, analyze
-    from fp4sense.diagnosis.units import model_fingerprint
     from fp4sense.planning.milp import solve
+    from fp4sense.structure.units import model_fingerprint
 
     menu = MENUS[args.menu]
     quantizing = [s for s in menu if s != "BF16"]
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
                      "sum_after_gptq": sum(now.values())}
 
     # 3. plans from both reports, with GPTQ, evaluated in memory
-    from fp4sense.evaluation.metrics import compare_models
+    from fp4sense.numerics.metrics import compare_models
 
     rows, written = [], []
     for budget in map(float, args.budgets.split(",")):

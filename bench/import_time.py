@@ -20,8 +20,8 @@ from bench.harness import RESULTS, command
 CASES = {
     "lazy: import fp4sense.api": "import fp4sense.api",
     "eager (0.5's api): its stage modules": (
-        "import fp4sense.diagnosis.run, fp4sense.quantization.pipeline, "
-        "fp4sense.evaluation.evaluate, fp4sense.inputs.models"),
+        "import fp4sense.jobs.analyze, fp4sense.jobs.quantize, "
+        "fp4sense.jobs.evaluate, fp4sense.inputs.models"),
     "first use: fp4sense.api.analyze_model": (
         "import fp4sense.api; fp4sense.api.analyze_model"),
 }
@@ -40,7 +40,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    seconds("import fp4sense.api, fp4sense.quantization.pipeline")  # warm the file cache
+    seconds("import fp4sense.api, fp4sense.jobs.quantize")  # warm the file cache
     rows = {name: round(statistics.median(seconds(code) for _ in range(args.repeats)), 3)
             for name, code in CASES.items()}
     lazy, eager = rows["lazy: import fp4sense.api"], rows[

@@ -39,9 +39,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fp4sense.diagnosis import SensitivityReport
-    from fp4sense.diagnosis.units import model_fingerprint
     from fp4sense.numerics.schemes import with_search_twins
     from fp4sense.planning.select import assignment, best_plans
+    from fp4sense.structure.units import model_fingerprint
 
     args.cache.mkdir(parents=True, exist_ok=True)
     done = Done(args.cache / "measured.jsonl")

@@ -74,12 +74,12 @@ def _save(result: dict) -> None:
 def uniform_row(scheme: str, gptq: bool, work: Path) -> dict:
     """Every unit ``scheme`` through the plugin's oneshot, evaluated from disk."""
     from fp4sense.checkpoint.checks import effective_bits
-    from fp4sense.diagnosis.units import find_units, model_fingerprint
-    from fp4sense.evaluation.evaluate import evaluate_checkpoint
     from fp4sense.inputs.assets import ensure_model
     from fp4sense.inputs.models import analysis_windows, load_model
-    from fp4sense.quantization.hosts import quantizer
+    from fp4sense.jobs.evaluate import evaluate_checkpoint
     from fp4sense.quantization.rounded import uniform_plan
+    from fp4sense.runtime.hosts import quantizer
+    from fp4sense.structure.units import find_units, model_fingerprint
 
     source = ensure_model(log=lambda m: None)
     model, tok, _ = load_model(source)
@@ -107,9 +107,9 @@ def unwritten_plan(menu_name: str, budget: float, scores: Path) -> dict | None:
     """The plan from ``scores`` when it rotates no unit (the plain menu's plan: no
     checkpoint to write), else None; planned by quantize's own rules (its objective)."""
     from fp4sense.diagnosis.results import SensitivityReport
+    from fp4sense.jobs.quantize_request import Objective
     from fp4sense.numerics.schemes import get_scheme
     from fp4sense.planning.milp import solve
-    from fp4sense.quantization.request import Objective
 
     objective = Objective.parse(menu=MENUS[menu_name], scale_search=menu_name not in AS_GIVEN,
                                 budget_bits=budget, budget_bytes=None, kl_target=None,
@@ -187,9 +187,9 @@ def transform_cost(scheme: str) -> dict:
     """A uniform ``scheme`` plan of the bundled model: rotated units and the online
     transforms' multiply-adds per token over the decoder linears' (a dense block product:
     ``in x B`` per unit, its parts sharing the input, against ``in x out``)."""
-    from fp4sense.diagnosis.units import find_units
     from fp4sense.inputs.models import load_model
     from fp4sense.numerics.schemes import get_scheme
+    from fp4sense.structure.units import find_units
 
     model, _, _ = load_model(None)
     units = find_units(model).units

@@ -80,9 +80,9 @@ def run(args: argparse.Namespace) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fp4sense.evaluation.metrics import compare_models, logits_of
     from fp4sense.inputs.assets import ensure_assets
     from fp4sense.inputs.texts import protocol_windows
+    from fp4sense.numerics.metrics import compare_models, logits_of
 
     torch.manual_seed(0)
     paths = ensure_assets()

@@ -56,8 +56,8 @@ def oneshot_checkpoint(model_dir, scheme, out_dir, dataset=None, recipe=None):
 def uniform_checkpoint(base, calib, units, scheme: str, work, calibration: dict | None):
     """``base`` with every unit ``scheme``, through the registered quantizer (the plugin's
     oneshot), calibrated as ``calibration`` says."""
-    from fp4sense.quantization.hosts import quantizer
     from fp4sense.quantization.rounded import uniform_plan
+    from fp4sense.runtime.hosts import quantizer
 
     work.mkdir(parents=True)
     uniform_plan(units, scheme, "tiny", "", calibration).save(work / "plan.json")
@@ -69,9 +69,9 @@ def uniform_plan_file(model_dir, text_file, scheme: str, path):
     """Every unit of ``model_dir`` under ``scheme``, calibrated in float32 (:data:`FP32`),
     saved at ``path``; returns the 4 calibration windows of 64 tokens from ``text_file``
     and the units."""
-    from fp4sense.diagnosis.units import find_units, model_fingerprint
     from fp4sense.inputs.models import analysis_windows, load_model
     from fp4sense.quantization.rounded import uniform_plan
+    from fp4sense.structure.units import find_units, model_fingerprint
 
     model, tok, _ = load_model(model_dir)
     calib = analysis_windows(tok, text_file, 4, 64)
@@ -142,7 +142,7 @@ def base_pass_inputs(model_dir, name: str, rotations=()):
 
     from fp4sense.diagnosis.cache import EntryCache
     from fp4sense.diagnosis.engine import Analysis
-    from fp4sense.diagnosis.units import find_units
+    from fp4sense.structure.units import find_units
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     windows = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -163,7 +163,7 @@ def mixed_plan_setup(path):
     left in BF16); the last unit's name comes last."""
     from transformers import AutoModelForCausalLM
 
-    from fp4sense.diagnosis.units import find_units
+    from fp4sense.structure.units import find_units
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     windows = torch.randint(0, 2000, (4, 48), generator=torch.Generator().manual_seed(1))

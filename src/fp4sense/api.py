@@ -8,9 +8,9 @@ files, imported when first used (``import fp4sense.api`` loads none of torch).
 =====================  ==============  ===========================================
 name                   command         defined in
 =====================  ==============  ===========================================
-``analyze_model``      analyze         :mod:`fp4sense.diagnosis.run`
-``quantize_model``     quantize        :mod:`fp4sense.quantization.pipeline`
-``evaluate_checkpoint`` eval           :mod:`fp4sense.evaluation.evaluate`
+``analyze_model``      analyze         :mod:`fp4sense.jobs.analyze`
+``quantize_model``     quantize        :mod:`fp4sense.jobs.quantize`
+``evaluate_checkpoint`` eval           :mod:`fp4sense.jobs.evaluate`
 ``verify_vllm``        verify-vllm     :mod:`fp4sense.evaluation.vllm_check`
 ``check_folder``,      push            :mod:`fp4sense.publishing.hub`
 ``push``
@@ -27,14 +27,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name loads on first use
-    from fp4sense.diagnosis.run import analyze_model
-    from fp4sense.evaluation.evaluate import evaluate_checkpoint
     from fp4sense.evaluation.vllm_check import verify_vllm
     from fp4sense.inputs.assets import ensure_assets
     from fp4sense.inputs.gguf import convert_gguf
     from fp4sense.inputs.models import BUNDLED_MODEL_NOTE, analysis_windows, load_model
+    from fp4sense.jobs.analyze import analyze_model
+    from fp4sense.jobs.evaluate import evaluate_checkpoint
+    from fp4sense.jobs.quantize import quantize_model
     from fp4sense.publishing.hub import check_folder, push
-    from fp4sense.quantization.pipeline import quantize_model
 
 __all__ = ["BUNDLED_MODEL_NOTE", "analysis_windows", "analyze_model", "check_folder",
            "convert_gguf", "ensure_assets", "evaluate_checkpoint", "load_model", "push",
@@ -42,17 +42,17 @@ __all__ = ["BUNDLED_MODEL_NOTE", "analysis_windows", "analyze_model", "check_fol
 
 
 def _run():
-    from fp4sense.diagnosis import run
+    from fp4sense.jobs import analyze as run
     return run
 
 
 def _pipeline():
-    from fp4sense.quantization import pipeline
+    from fp4sense.jobs import quantize as pipeline
     return pipeline
 
 
 def _evaluate():
-    from fp4sense.evaluation import evaluate
+    from fp4sense.jobs import evaluate
     return evaluate
 
 

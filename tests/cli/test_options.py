@@ -113,8 +113,8 @@ def test_the_staged_run_takes_exactly_the_front_doors_keywords():
     a keyword added to one and not the other fails here, not in a user's run."""
     import inspect
 
-    from fp4sense.quantization.pipeline import quantize_model
-    from fp4sense.quantization.request import QuantizeRequest
+    from fp4sense.jobs.quantize import quantize_model
+    from fp4sense.jobs.quantize_request import QuantizeRequest
 
     flat = list(inspect.signature(quantize_model).parameters)
     parsed = list(inspect.signature(QuantizeRequest.parse).parameters)
@@ -122,7 +122,7 @@ def test_the_staged_run_takes_exactly_the_front_doors_keywords():
 
 
 def test_a_quantize_result_reads_as_its_json():
-    from fp4sense.quantization.run import QuantizeResult
+    from fp4sense.jobs.quantize_run import QuantizeResult
 
     result = QuantizeResult("out", {"schemes": {}}, None, {"total_s": 1.0})
     assert dict(result) == result.to_dict() == {"plan": {"schemes": {}},

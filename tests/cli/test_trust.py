@@ -129,7 +129,7 @@ def test_the_uploaded_folder_holds_nothing_private(quantized, tiny_llama, text_f
     from huggingface_hub.utils import filter_repo_objects
     from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
 
-    from fp4sense.publishing.lineage import local_record
+    from fp4sense.structure.lineage import local_record
 
     names = [p.relative_to(quantized).as_posix() for p in sorted(quantized.glob("**/*"))
              if p.is_file()]
@@ -378,7 +378,7 @@ def test_local_records_of_checkpoints_with_the_same_plan_stay_apart(tmp_path, mo
     finds the newest record of its plan whose base is still here."""
     import shutil
 
-    from fp4sense.publishing.lineage import local_record, write_local_record
+    from fp4sense.structure.lineage import local_record, write_local_record
 
     monkeypatch.setenv("FP4SENSE_CACHE", str(tmp_path / "cache"))
     bases = [tmp_path / "base-a", tmp_path / "base-b"]

@@ -19,7 +19,7 @@ from fp4sense.diagnosis import (
 )
 from fp4sense.diagnosis.cache import EntryCache
 from fp4sense.diagnosis.engine import Analysis
-from fp4sense.diagnosis.units import UnitError, find_units
+from fp4sense.structure.units import UnitError, find_units
 from helpers import ToyLM, random_windows
 
 

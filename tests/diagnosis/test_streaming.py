@@ -17,7 +17,7 @@ from families import FAMILIES, make_family_model
 from fp4sense.diagnosis import analyze
 from fp4sense.diagnosis.cache import EntryCache
 from fp4sense.diagnosis.engine import Analysis
-from fp4sense.diagnosis.units import find_units
+from fp4sense.structure.units import find_units
 from helpers import family_model, random_windows
 
 
@@ -45,7 +45,7 @@ def test_a_measured_run_block_by_block_equals_the_whole_model_forward(family, tm
     arguments the base pass recorded for it (masks, rotary embeddings, sliding windows):
     window by window its KL is the one of the whole model run under the same
     perturbation. Measured: bit-identical (float32, the same operations)."""
-    from fp4sense.evaluation.metrics import window_metrics
+    from fp4sense.numerics.metrics import window_metrics
 
     model = family_model(tmp_path / family, family)
     windows = random_windows()
@@ -286,8 +286,8 @@ def test_low_memory_reads_blocks_from_the_model_files(family, assets, tmp_path):
     """``load_model(low_memory=True)`` loads the weights outside the blocks only; each
     block is read from the model's own safetensors files when it runs. Same fingerprint,
     same measured and estimated results as the model loaded whole."""
-    from fp4sense.diagnosis.units import model_fingerprint
     from fp4sense.inputs.models import load_model
+    from fp4sense.structure.units import model_fingerprint
 
     path = make_family_model(family, tmp_path / family, tokenizer_from=assets["model"])
     whole, _, _ = load_model(path)

@@ -64,7 +64,7 @@ def test_every_stage_sees_bos_first(assets, text_file, tmp_path, monkeypatch):
     from fp4sense.api import analyze_model, quantize_model
     from fp4sense.cli import commands
     from fp4sense.evaluation import vllm_check
-    from fp4sense.quantization import run
+    from fp4sense.jobs import quantize_run as run
 
     base = make_family_model("gemma3", tmp_path / "gemma3", assets["model"])
     bos = _bos_tokenizer(assets).bos_token_id
@@ -167,7 +167,7 @@ def test_convert_gguf_keeps_the_tokenizers_bos(assets, tmp_path):
 
 
 def test_implausible_figures_get_one_warning():
-    from fp4sense.evaluation.metrics import implausible
+    from fp4sense.numerics.metrics import implausible
 
     assert implausible(24.2, 49152) is None
     line = implausible(57823.0, 49152)

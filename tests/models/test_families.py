@@ -112,7 +112,7 @@ def test_fingerprint_survives_llmcompressor_offset_norms(family, tmp_path):
     import transformers
     from llmcompressor.modeling.offset_norm import norm_calibration_context
 
-    from fp4sense.diagnosis.units import model_fingerprint
+    from fp4sense.structure.units import model_fingerprint
 
     path = make_family_model(family, tmp_path / family)
     model = transformers.AutoModelForCausalLM.from_pretrained(path)

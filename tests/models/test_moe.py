@@ -78,8 +78,8 @@ def _written(served, name):
 
 @pytest.mark.parametrize("family", list(MOE_FAMILIES))
 def test_experts_are_one_unit_per_block_and_nothing_is_skipped(family, moe_models):
-    from fp4sense.diagnosis.experts import ROUTER, SHARED_GATE
-    from fp4sense.diagnosis.units import find_units
+    from fp4sense.structure.experts import ROUTER, SHARED_GATE
+    from fp4sense.structure.units import find_units
 
     model = _load(moe_models[family])
     units = find_units(model)
@@ -157,7 +157,7 @@ def test_a_moe_checkpoint_loads_whole_on_another_device(moe_models, tmp_path):
 
 
 def test_an_unexplained_weight_is_named(moe_models):
-    from fp4sense.diagnosis.units import find_units
+    from fp4sense.structure.units import find_units
 
     model = _load(moe_models["qwen3_moe"])
     holder = torch.nn.Module()
@@ -178,7 +178,7 @@ def test_an_unexplained_weight_is_named(moe_models):
 def test_expert_weights_equal_the_checkpoint_llm_compressor_writes(scheme, moe_models,
                                                                    tmp_path):
     from fp4sense.checkpoint.loading import load_checkpoint
-    from fp4sense.diagnosis.units import find_units, quantize_unit
+    from fp4sense.structure.units import find_units, quantize_unit
     from helpers import oneshot_checkpoint
 
     source = moe_models["qwen3_moe"]
@@ -201,7 +201,7 @@ def test_expert_weights_equal_the_checkpoint_llm_compressor_writes(scheme, moe_m
 def test_expert_statistics_come_from_all_tokens_and_routing_is_counted(moe_models):
     from fp4sense.diagnosis.cache import EntryCache
     from fp4sense.diagnosis.engine import Analysis
-    from fp4sense.diagnosis.units import find_units
+    from fp4sense.structure.units import find_units
 
     model = _load(moe_models["qwen3_moe"])
     router = model.model.layers[0].mlp.gate
@@ -374,7 +374,7 @@ def test_experts_a_format_cannot_take_are_named(tmp_path, assets):
     import transformers
 
     from families import COMMON
-    from fp4sense.diagnosis.units import find_units
+    from fp4sense.structure.units import find_units
 
     name, cfg, overrides, _ = MOE_FAMILIES["qwen3_moe"]
     config = getattr(transformers, cfg)(**{**COMMON, **overrides,

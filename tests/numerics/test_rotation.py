@@ -70,7 +70,7 @@ def test_the_rotation_is_compressed_tensors_transform_bit_for_bit(width):
 
 
 def test_a_rotation_needs_a_width_it_divides():
-    from fp4sense.diagnosis.units import Unit
+    from fp4sense.structure.units import Unit
 
     with pytest.raises(ValueError, match="divisible by 128"):
         rotate_input(torch.zeros(2, 96), 128)
@@ -116,8 +116,8 @@ def test_the_estimate_is_the_rotated_checkpoint_bit_for_bit(family, assets, text
     from fp4sense.checkpoint.loading import load_checkpoint
     from fp4sense.diagnosis.cache import EntryCache
     from fp4sense.diagnosis.engine import Analysis
-    from fp4sense.diagnosis.units import find_units, quantize_unit
     from fp4sense.inputs.models import analysis_windows, load_model
+    from fp4sense.structure.units import find_units, quantize_unit
 
     base = make_family_model(family, tmp_path / family, assets["model"])
     model, tok, _ = load_model(base)
@@ -215,11 +215,11 @@ def test_qad_before_calibration_trains_in_the_rotated_basis(scheme, tiny_llama, 
     reaches the master weights, kept unrotated, through ``R``."""
     from fp4sense.diagnosis.cache import EntryCache
     from fp4sense.diagnosis.engine import Analysis
-    from fp4sense.diagnosis.units import quantize_unit
     from fp4sense.inputs.models import load_model
     from fp4sense.numerics.fakequant import activation_quantizer
     from fp4sense.quantization.distill import DistillSettings, base_pass
     from fp4sense.quantization.straight_through import Refresher, install
+    from fp4sense.structure.units import quantize_unit
 
     calib, units = uniform_plan_file(tiny_llama, text_file, scheme, tmp_path / "plan.json")
     schemes = {c["unit"]: c["scheme"]

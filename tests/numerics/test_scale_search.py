@@ -138,7 +138,7 @@ def test_search_scheme_checkpoint_is_standard_and_never_worse(tiny_llama, tmp_pa
     assert changed > 0
     # fp4sense's fake quantization of the search scheme (what the analysis scores) is the
     # checkpoint, bit for bit: fused parts share the global scale, no data -> weight MSE
-    from fp4sense.diagnosis.units import find_units, quantize_unit
+    from fp4sense.structure.units import find_units, quantize_unit
 
     base_model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
     modules = dict(base_model.named_modules())

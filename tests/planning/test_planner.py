@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from fp4sense.diagnosis import Entry, SensitivityReport
-from fp4sense.diagnosis.units import find_units
 from fp4sense.numerics.schemes import SchemeError
 from fp4sense.planning.milp import Plan, PlanError, plan_cost, solve, unit_bits
+from fp4sense.structure.units import find_units
 
 MENU = ["NVFP4", "FP8_DYNAMIC", "BF16"]
 

@@ -112,9 +112,9 @@ def test_the_api_is_a_lazy_table_of_the_commands():
     assert done.returncode == 0, done.stderr[-2000:]
     import fp4sense.api as api
 
-    where = {"analyze_model": "fp4sense.diagnosis.run",
-             "quantize_model": "fp4sense.quantization.pipeline",
-             "evaluate_checkpoint": "fp4sense.evaluation.evaluate",
+    where = {"analyze_model": "fp4sense.jobs.analyze",
+             "quantize_model": "fp4sense.jobs.quantize",
+             "evaluate_checkpoint": "fp4sense.jobs.evaluate",
              "verify_vllm": "fp4sense.evaluation.vllm_check",
              "check_folder": "fp4sense.publishing.hub", "push": "fp4sense.publishing.hub",
              "convert_gguf": "fp4sense.inputs.gguf", "ensure_assets": "fp4sense.inputs.assets",

@@ -236,7 +236,7 @@ def test_checkpoint_files_record_no_paths_of_this_machine(quantized, tiny_llama,
     assert plan["model_fingerprint"] == report["model_fingerprint"]
     assert report["text"]["source"] == "text.txt" and report["text"]["cache_key"]
     # this machine keeps the paths outside the folder (the fp4sense cache): no hidden file
-    from fp4sense.publishing.lineage import local_record
+    from fp4sense.structure.lineage import local_record
 
     assert local_record(quantized)["base"] == str(tiny_llama.resolve())
     assert not [p for p in quantized.rglob(".*")], "a hidden file would travel with hf upload"
@@ -276,7 +276,7 @@ def test_card_without_a_known_base_says_how_to_link_it(quantized):
 
 
 def test_base_inside_the_hub_cache_is_named_by_its_hub_id(tiny_llama, tmp_path):
-    from fp4sense.publishing.lineage import hub_id_of, public_name
+    from fp4sense.structure.lineage import hub_id_of, public_name
 
     snapshot = tmp_path / "hub" / "models--acme--tiny-7b" / "snapshots" / "0123abcd"
     shutil.copytree(tiny_llama, snapshot)

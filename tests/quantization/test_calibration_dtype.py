@@ -32,8 +32,8 @@ def test_float32_calibration_is_what_the_estimate_scores_bit_for_bit(family, ass
     from fp4sense.checkpoint.loading import load_checkpoint
     from fp4sense.diagnosis.cache import EntryCache
     from fp4sense.diagnosis.engine import Analysis
-    from fp4sense.diagnosis.units import find_units, quantize_unit
     from fp4sense.inputs.models import analysis_windows, load_model
+    from fp4sense.structure.units import find_units, quantize_unit
 
     base = make_family_model(family, tmp_path / family, assets["model"])
     model, tok, _ = load_model(base)  # float32, the CPU's placement
@@ -75,8 +75,8 @@ def test_both_dtypes_store_the_same_tensors(tiny_llama, text_file,
     checkpoint a bf16 run wrote before is still what a plan without a dtype writes)."""
     from safetensors.torch import load_file
 
-    from fp4sense.diagnosis.units import find_units
     from fp4sense.inputs.models import analysis_windows, load_model
+    from fp4sense.structure.units import find_units
 
     model, tok, _ = load_model(tiny_llama)
     calib = analysis_windows(tok, text_file, 4, 64)

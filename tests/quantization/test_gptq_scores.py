@@ -25,8 +25,8 @@ def _estimate(model, windows, scheme, rounded=None):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama, text_file):
-    from fp4sense.diagnosis.units import find_units
     from fp4sense.inputs.models import analysis_windows, load_model
+    from fp4sense.structure.units import find_units
 
     model, tok, _ = load_model(tiny_llama)
     windows = analysis_windows(tok, text_file, 2, 64)
@@ -39,8 +39,8 @@ def test_estimate_reads_the_given_weights_instead_of_rounding_to_nearest(scheme,
     """Given the round-to-nearest weights (a rotated scheme's in the rotated basis, as its
     checkpoint and the rounder store them), the estimate scores every unit as it does
     rounding to nearest itself, to the bit."""
-    from fp4sense.diagnosis.units import quantize_unit
     from fp4sense.quantization.rounded import RoundedWeights
+    from fp4sense.structure.units import quantize_unit
 
     model, windows, units = tiny
     weight = {m: model.get_submodule(m).weight.data for u in units.units for m in u.modules}
@@ -100,10 +100,10 @@ def test_rounder_saves_the_weights_gptq_writes_into_the_checkpoint(family, schem
     rotated scheme's in the rotated basis, where GPTQ rounded it); a second call with the
     file present uses it again."""
     from fp4sense.checkpoint.loading import load_checkpoint
-    from fp4sense.diagnosis.units import find_units, model_fingerprint
     from fp4sense.inputs.models import analysis_windows, load_model
-    from fp4sense.quantization.hosts import quantizer
     from fp4sense.quantization.rounded import round_menu, uniform_plan
+    from fp4sense.runtime.hosts import quantizer
+    from fp4sense.structure.units import find_units, model_fingerprint
 
     base = make_family_model(family, tmp_path / family, assets["model"])
     model, tok, _ = load_model(base)

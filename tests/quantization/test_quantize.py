@@ -114,7 +114,8 @@ def test_select_plans_measures_the_best_predicted_and_keeps_the_lowest(tiny_llam
 @pytest.mark.slow
 def test_interrupted_quantize_leaves_nothing_that_looks_complete(tiny_llama, text_file,
                                                                 tmp_path, monkeypatch):
-    from fp4sense.quantization import pipeline, run
+    from fp4sense.jobs import quantize as pipeline
+    from fp4sense.jobs import quantize_run as run
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -177,7 +178,7 @@ def test_a_given_report_plans_without_the_twins_it_does_not_score():
     menu with scale search off stay."""
     from types import SimpleNamespace
 
-    from fp4sense.quantization.request import Objective
+    from fp4sense.jobs.quantize_request import Objective
 
     report = SimpleNamespace(schemes=["NVFP4", "FP8_DYNAMIC"])
     rest = dict(budget_bits=5.0, budget_bytes=None, kl_target=None, pins=None,

@@ -1,14 +1,14 @@
 """The diagnosis stage: measured and estimated FP4 sensitivity of a model's units.
 
-``run.analyze_model`` is the analyze command (load, analyze, write the report);
-``views.analyze`` runs an analysis and returns a :class:`report.SensitivityReport`
+``views.analyze`` runs an analysis and returns a :class:`results.SensitivityReport`
 (saved as sensitivity.json); ``engine.Analysis`` does the work (block-output replay,
-the Fisher estimate; ``blockio``: a decoder block's call, kept and replayed), ``cache``
-keeps finished entries (resumable), ``offload`` keeps one decoder block in memory at a
-time, ``footprint`` says what the caches will hold, ``results`` holds the report and
-its entries, ``stats`` the statistics over windows, ``units`` splits a model into units
-and ``experts`` finds MoE experts, routers and weights nothing explains. A new
-view is one :func:`views.register_view` (its targets and how a measured run replays it).
+the Fisher estimate, streamed block by block in ``estimate``; ``blockio``: a decoder
+block's call, kept and replayed), ``cache`` keeps finished entries (resumable),
+``footprint`` says what the caches will hold, ``results`` holds the report and its
+entries, ``stats`` the statistics over windows. The units, experts and offloaded blocks
+are :mod:`fp4sense.structure`'s; the analyze command is :mod:`fp4sense.jobs.analyze`. A
+new view is one :func:`views.register_view` (its targets and how a measured run replays
+it).
 """
 
 

@@ -21,16 +21,16 @@ from tqdm.auto import tqdm
 
 from fp4sense.diagnosis import blockio
 from fp4sense.diagnosis.cache import EntryCache
-from fp4sense.diagnosis.experts import expert_hooks
 from fp4sense.diagnosis.footprint import BASE_LOGPROB_BYTES, WEIGHT_CACHE_BYTES
-from fp4sense.diagnosis.offload import BlockStore, Originals
 from fp4sense.diagnosis.stats import InputStats, mean_se
-from fp4sense.diagnosis.units import Unit, UnitMap, quantize_unit
-from fp4sense.evaluation.metrics import window_metrics
 from fp4sense.inputs.models import quantization_dtypes
 from fp4sense.numerics.fakequant import activation_quantizer, input_absmax
+from fp4sense.numerics.metrics import window_metrics
 from fp4sense.numerics.schemes import get_scheme
 from fp4sense.runtime.memory import mapped_allocations
+from fp4sense.structure.experts import expert_hooks
+from fp4sense.structure.offload import BlockStore, Originals
+from fp4sense.structure.units import Unit, UnitMap, quantize_unit
 
 __all__ = ["Analysis", "Perturbation"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from fp4sense.diagnosis.units import UnitMap
+from fp4sense.structure.units import UnitMap
 
 __all__ = ["BASE_LOGPROB_BYTES", "WEIGHT_CACHE_BYTES", "check_cache_memory",
            "weight_cache_bytes"]

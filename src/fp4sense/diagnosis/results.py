@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fp4sense import __version__
-from fp4sense.diagnosis.units import UnitMap
+from fp4sense.structure.units import UnitMap
 from fp4sense.validate import UserError
 
 __all__ = ["KL_ROUNDING", "REPORT_VERSION", "Entry", "ReportError", "SensitivityReport"]

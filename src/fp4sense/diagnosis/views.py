@@ -37,14 +37,14 @@ from tqdm.auto import tqdm
 
 from fp4sense.diagnosis.cache import EntryCache, cache_key
 from fp4sense.diagnosis.engine import Analysis, Perturbation
-from fp4sense.diagnosis.experts import expert_targets, projection_targets
 from fp4sense.diagnosis.footprint import check_cache_memory, weight_cache_bytes
 from fp4sense.diagnosis.results import Entry, SensitivityReport
 from fp4sense.diagnosis.stats import correlations, mean_se
-from fp4sense.diagnosis.units import Unit, UnitMap, find_units, model_fingerprint, model_name
 from fp4sense.inputs.models import quantization_dtypes
 from fp4sense.numerics.schemes import get_scheme, rotations_of
 from fp4sense.runtime import distributed
+from fp4sense.structure.experts import expert_targets, projection_targets
+from fp4sense.structure.units import Unit, UnitMap, find_units, model_fingerprint, model_name
 from fp4sense.validate import register_unique
 
 __all__ = ["MODES", "REPORT_VIEWS", "VIEWS", "ReportView", "analyze", "check_request",

@@ -125,7 +125,7 @@ def reference_logprobs(folder: str | os.PathLike, windows: torch.Tensor,
     """Per-token log-probs from transformers' own load of the checkpoint, in float32,
     and the number of layers whose activations are quantized."""
     from fp4sense.checkpoint.loading import load_checkpoint
-    from fp4sense.evaluation.metrics import next_token_logprobs
+    from fp4sense.numerics.metrics import next_token_logprobs
 
     model, act_layers, added = load_checkpoint(folder, promote_mxfp4=True)
     if notes is not None:

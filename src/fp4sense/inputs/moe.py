@@ -33,7 +33,7 @@ def fused_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 def linearize_experts(model: torch.nn.Module, source: str = "") -> torch.nn.Module:
     """``model`` with its fused experts rewritten as per-expert ``nn.Linear`` (in place) by
     the installed host; a model without fused experts is returned as it is."""
-    from fp4sense.quantization.hosts import MOE_LINEARIZERS, HostMissingError, host
+    from fp4sense.runtime.hosts import MOE_LINEARIZERS, HostMissingError, host
 
     found = fused_experts(model)
     if not found:
@@ -68,9 +68,9 @@ def stored_expert_names(model: torch.nn.Module, source) -> dict[str, tuple[str, 
     agree, for models without experts or without local safetensors, and where the files
     keep experts as 3-D tensors (the host writes those as the linears are named). Experts
     whose stored names cannot be paired with the linears are one error, before any work."""
-    from fp4sense.diagnosis.experts import expert_lists
-    from fp4sense.diagnosis.units import find_blocks
     from fp4sense.inputs.models import _weight_files
+    from fp4sense.structure.experts import expert_lists
+    from fp4sense.structure.units import find_blocks
 
     blocks_path, blocks = find_blocks(model)
     lists = expert_lists(blocks[0])

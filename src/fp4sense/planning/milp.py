@@ -23,9 +23,9 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from fp4sense import defaults
 from fp4sense.diagnosis import SensitivityReport
-from fp4sense.diagnosis.units import Unit, UnitMap
 from fp4sense.numerics.schemes import bits_per_weight, get_scheme
 from fp4sense.planning.plan import PLAN_VERSION, Choice, Plan, PlanError
+from fp4sense.structure.units import Unit, UnitMap
 
 __all__ = ["DEFAULT_MENU", "PLAN_VERSION", "Plan", "PlanError", "check_pins", "plan_cost",
            "solve"]

@@ -15,9 +15,9 @@ from collections.abc import Callable
 import torch
 
 from fp4sense.diagnosis import SensitivityReport
-from fp4sense.diagnosis.units import UnitMap
 from fp4sense.numerics.schemes import get_scheme, rotations_of
 from fp4sense.planning.milp import Plan, PlanError, solve
+from fp4sense.structure.units import UnitMap
 
 __all__ = ["best_plans", "check_menu", "check_quantizes", "measure_on", "select_measured",
            "select_on_calibration"]

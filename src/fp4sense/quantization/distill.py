@@ -4,7 +4,7 @@ The model is trained to match its own unquantized next-token distributions while
 forward pass computes with the plan's formats:
 
 - every quantized unit's weights are fake-quantized as the checkpoint will store them
-  (:func:`fp4sense.diagnosis.units.quantize_unit`: fused groups share the NVFP4 global
+  (:func:`fp4sense.structure.units.quantize_unit`: fused groups share the NVFP4 global
   scale), with straight-through gradients into float32 master weights; the
   ``*_SEARCH`` schemes search their block scales every ``rescale_every`` steps and
   round with them in between (a search costs about twenty plain quantizations);
@@ -58,13 +58,13 @@ import torch
 from torch.nn.utils import parametrize
 
 from fp4sense.diagnosis.blockio import no_cache
-from fp4sense.diagnosis.units import UnitMap
 from fp4sense.numerics.rotation import rotate_input
 from fp4sense.numerics.schemes import get_scheme
 from fp4sense.quantization.blockwise import BlockTargets, record_blocks, train_blocks
 from fp4sense.quantization.distill_settings import MODES, DistillError, DistillSettings
 from fp4sense.quantization.qad_loop import train
 from fp4sense.quantization.straight_through import FrozenRefresher, Refresher, install
+from fp4sense.structure.units import UnitMap
 
 __all__ = ["MODES", "DistillBase", "DistillError", "DistillSettings", "Frozen", "base_pass",
            "distill", "record_training", "trained_linears"]
@@ -287,15 +287,13 @@ def _base_pass(model, data, modules, names, blocks=None, rotations=None):
                        kept)
 
 
-def record_training(plan, work: Path, text: str) -> None:
-    """The QAD record the oneshot wrote in ``work``: the text named (``text``), curves
-    (distill.png), summary in ``plan.training`` (plan.json rewritten with it)."""
-    from fp4sense.reports.plots import plot_training
-
+def record_training(plan, work: Path, text: str) -> dict:
+    """The QAD record the oneshot wrote in ``work``: the text named (``text``), summary in
+    ``plan.training`` (plan.json rewritten with it); returns the record (the quantize job
+    plots its curves as distill.png)."""
     record = json.loads((work / "distill.json").read_text())
     record["text"] = text
     (work / "distill.json").write_text(json.dumps(record, indent=1))
-    plot_training(record, work / "distill.png")
     st = record["settings"]
     plan.training = {"method": "qad", "mode": st.get("mode", "end-to-end"),
                      "steps": record["steps"], "text": record["text"],
@@ -306,3 +304,4 @@ def record_training(plan, work: Path, text: str) -> None:
     if record.get("holdout"):
         plan.training["holdout"] = record["holdout"]
     plan.save(work / "plan.json")
+    return record

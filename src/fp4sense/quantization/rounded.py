@@ -5,7 +5,7 @@ then GPTQ rounds the planned model, and it repairs some units far better than ot
 (``bench/gptq_scores.py``). Scored after GPTQ, each quantizing scheme of the menu first
 rounds the whole model with GPTQ once (the host's oneshot, SensitivityGuidedModifier +
 GPTQModifier as ``--gptq`` runs it, under a uniform plan: every unit that scheme; the
-rounder of :mod:`fp4sense.quantization.hosts`), and its quantized weights are saved to
+rounder of :mod:`fp4sense.runtime.hosts`), and its quantized weights are saved to
 a safetensors file. The estimate then reads each unit's quantized weights from that file
 instead of rounding them to nearest (:class:`RoundedWeights`, ``analyze(rounded=...)``).
 
@@ -30,10 +30,10 @@ from safetensors import safe_open
 
 from fp4sense.diagnosis.cache import cache_key
 from fp4sense.diagnosis.results import SensitivityReport
-from fp4sense.diagnosis.units import find_units, model_fingerprint
 from fp4sense.planning.milp import solve
-from fp4sense.publishing.lineage import public_name
-from fp4sense.quantization.hosts import ROUNDERS, host
+from fp4sense.runtime.hosts import ROUNDERS, host
+from fp4sense.structure.lineage import public_name
+from fp4sense.structure.units import find_units, model_fingerprint
 from fp4sense.validate import set_aside
 
 __all__ = ["RoundedWeights", "RoundedWeightsError", "round_beside", "round_menu",

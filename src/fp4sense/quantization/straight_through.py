@@ -18,9 +18,9 @@ from collections.abc import Callable
 import torch
 from torch.nn.utils import parametrize
 
-from fp4sense.diagnosis.units import quantize_unit, unit_scales
 from fp4sense.numerics.fakequant import activation_quantizer
 from fp4sense.numerics.rotation import rotate_input, rotate_weight
+from fp4sense.structure.units import quantize_unit, unit_scales
 
 __all__ = ["FrozenRefresher", "Refresher", "install"]
 

@@ -12,12 +12,12 @@ from huggingface_hub import ModelCard, ModelCardData
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
-from fp4sense.diagnosis.units import short_kind
 from fp4sense.inputs.assets import MODEL_BASE_ID, MODEL_LICENSE
 from fp4sense.inputs.texts import PROTOCOL_EVAL_TEXT
 from fp4sense.numerics.schemes import get_scheme
-from fp4sense.publishing.lineage import hub_id_of
 from fp4sense.reports.plots import pyplot, save_figure
+from fp4sense.structure.lineage import hub_id_of
+from fp4sense.structure.units import short_kind
 
 __all__ = ["SCHEME_COLOURS", "plot_plan", "write_model_card"]
 
@@ -86,7 +86,7 @@ def write_model_card(folder: Path, plan, evaluation: dict | None, *, source: str
     (table and picture), measured figures, and how to serve it with vLLM.
 
     :param hub_id: the base model's Hub id (default: derived from ``source`` where that
-        is certain, :func:`fp4sense.publishing.lineage.hub_id_of`); it becomes ``base_model`` with
+        is certain, :func:`fp4sense.structure.lineage.hub_id_of`); it becomes ``base_model`` with
         ``base_model_relation: quantized``. Without one the card says how to add it.
     """
 

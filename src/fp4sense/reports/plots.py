@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from fp4sense.diagnosis import SensitivityReport
-from fp4sense.diagnosis.units import short_kind
+from fp4sense.structure.units import short_kind
 
 __all__ = ["plot_blocks", "plot_components", "plot_grid", "plot_training", "protect_gain",
            "pyplot", "table_mode", "save_figure"]

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from fp4sense.diagnosis import SensitivityReport
-from fp4sense.diagnosis.units import short_kind
 from fp4sense.numerics.schemes import get_scheme
 from fp4sense.reports.plots import pyplot, save_figure, table_mode
+from fp4sense.structure.units import short_kind
 
 __all__ = ["plot_rotation", "rotation_findings", "rotation_pairs"]
 

@@ -45,7 +45,6 @@ from llmcompressor.core import State, active_session
 from llmcompressor.modifiers import Modifier
 from pydantic import PrivateAttr
 
-from fp4sense.diagnosis.units import find_units, model_fingerprint
 from fp4sense.numerics.schemes import get_scheme, menu_name_of
 from fp4sense.quantization.distill import (
     DistillError,
@@ -55,6 +54,7 @@ from fp4sense.quantization.distill import (
     distill,
     trained_linears,
 )
+from fp4sense.structure.units import find_units, model_fingerprint
 from fp4sense_llmcompressor.modifier import _calibration_windows
 
 __all__ = ["QuantizationAwareDistillationModifier", "frozen_quantizers"]

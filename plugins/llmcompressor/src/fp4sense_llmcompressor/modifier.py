@@ -38,12 +38,12 @@ from pydantic import PrivateAttr
 
 from fp4sense import defaults
 from fp4sense.diagnosis import SensitivityReport, analyze
-from fp4sense.diagnosis.units import model_fingerprint
 from fp4sense.inputs.models import STORED_DTYPES, quantization_dtypes
 from fp4sense.inputs.moe import stored_expert_names
 from fp4sense.numerics.rotation import transform_config
 from fp4sense.numerics.schemes import get_scheme
 from fp4sense.planning.milp import DEFAULT_MENU, Plan, PlanError, solve
+from fp4sense.structure.units import model_fingerprint
 from fp4sense_llmcompressor.storage import store_in
 
 __all__ = ["SensitivityGuidedModifier"]

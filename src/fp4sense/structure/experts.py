@@ -53,7 +53,7 @@ def expert_unit(block: int, prefix: str, rel: str,
     """The unit of one block's experts. ``seen``: linear name -> the input it read in the
     sample forward (linears reading one input share a global scale); an expert that got
     no token takes the grouping of one that did."""
-    from fp4sense.diagnosis.units import Unit
+    from fp4sense.structure.units import Unit
 
     names, ins, outs = [], [], []
     pattern: tuple[tuple[int, ...], ...] | None = None

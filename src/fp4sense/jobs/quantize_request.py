@@ -3,8 +3,8 @@ that each check themselves (:class:`QuantizeRequest`): the objective (budget, me
 given scores, searched scales, plan selection), the windows, the rounding (GPTQ), QAD
 (:class:`~fp4sense.quantization.distill_settings.DistillSettings`), the placement
 (:class:`~fp4sense.runtime.devices.Placement`) and the output (folder, overwrite,
-lineage, evaluation). :class:`fp4sense.quantization.run.QuantizeRun` runs it stage by
-stage; :func:`fp4sense.quantization.pipeline.quantize_model` is the flat front door."""
+lineage, evaluation). :class:`fp4sense.jobs.quantize_run.QuantizeRun` runs it stage by
+stage; :func:`fp4sense.jobs.quantize.quantize_model` is the flat front door."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from fp4sense.inputs.assets import default_model_path
 from fp4sense.numerics.schemes import get_scheme, with_search_twins
 from fp4sense.planning.milp import check_pins
 from fp4sense.planning.select import check_menu
-from fp4sense.publishing.lineage import hub_id_of
 from fp4sense.quantization.distill import DistillError
 from fp4sense.quantization.distill_settings import DistillSettings
 from fp4sense.runtime.devices import Placement, resolve
 from fp4sense.runtime.outputs import guard_output, local_inputs
+from fp4sense.structure.lineage import hub_id_of
 
 if TYPE_CHECKING:
     from fp4sense.diagnosis.results import SensitivityReport
@@ -154,7 +154,7 @@ class QuantizeRequest:
               base_model_id, text, calib_windows, estimate_windows, window_tokens,
               raw_windows, evaluate, eval_windows, overwrite, device, dtype, low_memory,
               progress, log) -> QuantizeRequest:
-        """The flat keywords of :func:`~fp4sense.quantization.pipeline.quantize_model`
+        """The flat keywords of :func:`~fp4sense.jobs.quantize.quantize_model`
         into groups, each checked in the order a user meets them: the output folder, the
         menu and pins, the placement, the lineage, the objective, the rounding, QAD."""
         output = Output(Path(out_dir), overwrite, base_model_id, evaluate)

@@ -9,18 +9,18 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from fp4sense import defaults, options
-from fp4sense.diagnosis.offload import check_offload_dir
 from fp4sense.diagnosis.results import SensitivityReport
 from fp4sense.diagnosis.views import analyze, check_request
-from fp4sense.evaluation.metrics import implausible
 from fp4sense.inputs.assets import default_model_path
 from fp4sense.inputs.models import analysis_windows, load_model
 from fp4sense.inputs.texts import model_context, window_prefix
-from fp4sense.publishing.lineage import text_name
+from fp4sense.numerics.metrics import implausible
 from fp4sense.reports.analysis import write_analysis
 from fp4sense.runtime import distributed
 from fp4sense.runtime.devices import resolve
 from fp4sense.runtime.outputs import check_analysis_output, local_inputs, record_written
+from fp4sense.structure.lineage import text_name
+from fp4sense.structure.offload import check_offload_dir
 
 __all__ = ["analyze_model"]
 

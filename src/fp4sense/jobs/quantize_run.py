@@ -1,5 +1,5 @@
 """``fp4sense quantize`` as a staged run: :class:`QuantizeRun` takes a checked
-:class:`~fp4sense.quantization.request.QuantizeRequest` and runs its stages in order —
+:class:`~fp4sense.jobs.quantize_request.QuantizeRequest` and runs its stages in order —
 :meth:`~QuantizeRun.load`, :meth:`~QuantizeRun.round_for_scores` (``--gptq-scores``),
 :meth:`~QuantizeRun.meet` (torchrun ranks), :meth:`~QuantizeRun.estimate`,
 :meth:`~QuantizeRun.plan`, :meth:`~QuantizeRun.apply` (the host's oneshot),
@@ -18,22 +18,23 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from fp4sense.diagnosis import SensitivityReport, analyze
-from fp4sense.diagnosis.units import Unit, find_units, model_fingerprint
-from fp4sense.evaluation.evaluate import evaluate_checkpoint
-from fp4sense.evaluation.metrics import implausible
 from fp4sense.inputs.models import QUANTIZE_INSTEAD, analysis_windows, load_model
 from fp4sense.inputs.moe import stored_expert_names
 from fp4sense.inputs.texts import model_context, window_prefix
+from fp4sense.jobs.evaluate import evaluate_checkpoint
+from fp4sense.jobs.quantize_request import QuantizeRequest
+from fp4sense.numerics.metrics import implausible
 from fp4sense.planning.milp import Plan, check_pins, plan_cost, solve
 from fp4sense.planning.select import check_quantizes, select_on_calibration
-from fp4sense.publishing.lineage import hub_id_of, public_name, text_name, write_local_record
 from fp4sense.quantization.distill import record_training
-from fp4sense.quantization.hosts import quantizer
-from fp4sense.quantization.request import QuantizeRequest
 from fp4sense.quantization.rounded import RoundedWeights, round_beside, rounding_dir
 from fp4sense.reports.model_card import write_model_card
+from fp4sense.reports.plots import plot_training
 from fp4sense.runtime import distributed
+from fp4sense.runtime.hosts import quantizer
 from fp4sense.runtime.outputs import publish_folder, work_folder
+from fp4sense.structure.lineage import hub_id_of, public_name, text_name, write_local_record
+from fp4sense.structure.units import Unit, find_units, model_fingerprint
 
 __all__ = ["QuantizeResult", "QuantizeRun", "oneshot_plan"]
 
@@ -224,7 +225,8 @@ class QuantizeRun:
                               state_dir=r.output.state_dir)
         self._timed("oneshot_s", t)
         if r.distill is not None:
-            record_training(plan, work, text_name(r.windows.text))
+            plot_training(record_training(plan, work, text_name(r.windows.text)),
+                          work / "distill.png")
         self.tokenizer.save_pretrained(work)
         (work / "recipe.yaml").write_text(recipe)
 

@@ -17,6 +17,8 @@ import os
 import re
 from pathlib import Path
 
+from fp4sense.defaults import cache_dir
+
 __all__ = ["LOCAL_RECORD", "hub_id_of", "is_hub_id", "local_record", "public_name",
            "text_name", "write_local_record"]
 
@@ -99,8 +101,6 @@ def _record_file(folder: Path) -> Path | None:
     """Where this machine keeps ``folder``'s local record: the fp4sense cache, under the
     hash of the checkpoint's plan.json and the folder's inode (a rename or ``mv`` keeps
     both; two checkpoints with the same plan, from two copies of a base, stay apart)."""
-    from fp4sense.inputs.assets import cache_dir
-
     plan = Path(folder) / "plan.json"
     if not plan.is_file():
         return None

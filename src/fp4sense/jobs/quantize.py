@@ -1,8 +1,8 @@
 """``fp4sense quantize``'s flat front door (:func:`quantize_model`, as llm-compressor's
 ``oneshot`` keeps one): its keywords are parsed into checked argument groups
-(:mod:`fp4sense.quantization.request`) and run stage by stage — estimate, plan once, apply
+(:mod:`fp4sense.jobs.quantize_request`) and run stage by stage — estimate, plan once, apply
 the plan with the registered host quantizer (llm-compressor's oneshot), evaluate, and
-publish the checkpoint folder in one rename (:mod:`fp4sense.quantization.run`)."""
+publish the checkpoint folder in one rename (:mod:`fp4sense.jobs.quantize_run`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import os
 from collections.abc import Callable, Sequence
 
 from fp4sense import defaults, options
+from fp4sense.jobs.quantize_request import QuantizeRequest
+from fp4sense.jobs.quantize_run import QuantizeResult, QuantizeRun
 from fp4sense.quantization.distill_settings import DistillSettings
-from fp4sense.quantization.request import QuantizeRequest
-from fp4sense.quantization.run import QuantizeResult, QuantizeRun
 
 __all__ = ["quantize_model"]
 
@@ -76,7 +76,7 @@ def quantize_model(
     ``base_model_id`` names the base model's Hub id for the model card's lineage
     (``base_model``) where it cannot be derived (a local folder outside the Hugging Face
     cache). Shared files name the base and the text without local paths (see
-    :mod:`fp4sense.publishing.lineage`).
+    :mod:`fp4sense.structure.lineage`).
 
     Works in a temporary folder beside ``out_dir`` and renames it at the end, so an
     interrupted run never leaves a checkpoint that looks complete. Without ``overwrite``

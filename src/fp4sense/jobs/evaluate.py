@@ -11,8 +11,6 @@ import torch
 from fp4sense import defaults, options
 from fp4sense.checkpoint.checks import check_checkpoint, checkpoint_tokenizer, effective_bits
 from fp4sense.checkpoint.loading import load_checkpoint
-from fp4sense.diagnosis.units import model_fingerprint
-from fp4sense.evaluation.metrics import compare_models, implausible
 from fp4sense.inputs.models import load_model
 from fp4sense.inputs.texts import (
     PROTOCOL_EVAL_TEXT,
@@ -20,8 +18,10 @@ from fp4sense.inputs.texts import (
     protocol_windows,
     window_prefix,
 )
-from fp4sense.publishing.lineage import is_hub_id, local_record, public_name
+from fp4sense.numerics.metrics import compare_models, implausible
 from fp4sense.runtime.devices import resolve
+from fp4sense.structure.lineage import is_hub_id, local_record, public_name
+from fp4sense.structure.units import model_fingerprint
 from fp4sense.validate import InputError, read_json
 
 __all__ = ["evaluate_checkpoint"]

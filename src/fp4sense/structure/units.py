@@ -36,10 +36,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from fp4sense.diagnosis.experts import expert_lists, expert_unit, left_alone, unaccounted
 from fp4sense.numerics.fakequant import quantize_weights, searched_scales
 from fp4sense.numerics.schemes import get_scheme
-from fp4sense.publishing.lineage import public_name
+from fp4sense.structure.experts import expert_lists, expert_unit, left_alone, unaccounted
+from fp4sense.structure.lineage import public_name
 from fp4sense.validate import UserError
 
 __all__ = ["Unit", "UnitError", "UnitMap", "find_blocks", "find_units", "quantize_unit",
@@ -354,7 +354,7 @@ def short_kind(kind: str) -> str:
 
 def model_name(model: torch.nn.Module, fallback: str | os.PathLike = "") -> str:
     """How reports name a model: its Hub id where known, else its folder's name (never a
-    path of this machine; see :mod:`fp4sense.publishing.lineage`)."""
+    path of this machine; see :mod:`fp4sense.structure.lineage`)."""
 
     config = getattr(model, "config", None)
     return public_name(str(getattr(config, "_name_or_path", "") or fallback))
