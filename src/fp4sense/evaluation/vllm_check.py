@@ -30,6 +30,8 @@ import torch
 
 # the one checkpoint checker (eval, push and this comparison share it)
 from fp4sense.checkpoint.checks import check_checkpoint
+from fp4sense.checkpoint.loading import load_checkpoint
+from fp4sense.numerics.metrics import next_token_logprobs
 from fp4sense.validate import UserError
 
 __all__ = [
@@ -124,8 +126,6 @@ def reference_logprobs(folder: str | os.PathLike, windows: torch.Tensor,
                        notes: list[str] | None = None) -> tuple[list[list[float]], int]:
     """Per-token log-probs from transformers' own load of the checkpoint, in float32,
     and the number of layers whose activations are quantized."""
-    from fp4sense.checkpoint.loading import load_checkpoint
-    from fp4sense.numerics.metrics import next_token_logprobs
 
     model, act_layers, added = load_checkpoint(folder, promote_mxfp4=True)
     if notes is not None:

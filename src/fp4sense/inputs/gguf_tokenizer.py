@@ -23,6 +23,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import sentencepiece as spm
+from sentencepiece import sentencepiece_model_pb2 as pb
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers.integrations.ggml import GGUFLlamaConverter
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
 from fp4sense.validate import UserError
 
 __all__ = ["SAMPLE", "TokenizerMismatch", "check_tokenizer", "gguf_tokenizer",
@@ -50,7 +57,6 @@ class TokenizerMismatch(UserError, RuntimeError):
 
 def _fields(gguf_path: Path) -> dict:
     """The GGUF's tokenizer fields as transformers' GGUF loader reads them."""
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     return load_gguf_checkpoint(str(gguf_path), return_tensors=False)["tokenizer"]
 
@@ -60,8 +66,6 @@ def gguf_tokenizer(gguf_path: str | os.PathLike, loaded):
     for a vocabulary with merges; for a SentencePiece vocabulary with scores, the BPE
     transformers' ``GGUFLlamaConverter`` builds from its pieces and scores, carrying the
     special tokens and the chat template over."""
-    from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.ggml import GGUFLlamaConverter
 
     fields = _fields(Path(gguf_path))
     if fields.get("tokenizer_type") != "llama" or "merges" in fields:
@@ -86,7 +90,6 @@ def sentencepiece_model(fields: dict) -> bytes:
     """A serialized SentencePiece BPE model of the GGUF's pieces, scores and types, with
     the normalization llama.cpp applies to such a vocabulary (spaces as ``▁``, a leading
     ``▁`` unless ``add_space_prefix`` is false, nothing else)."""
-    from sentencepiece import sentencepiece_model_pb2 as pb
 
     model = pb.ModelProto()
     for piece, score, kind in zip(fields["tokens"], fields["scores"],
@@ -113,10 +116,8 @@ def reference_ids(fields: dict, text: str) -> list[int]:
     scores and types; for a merges vocabulary, the ``tokenizers`` BPE on its vocabulary
     and merges behind a byte-level pre-tokenizer."""
     if fields.get("tokenizer_type") == "llama" and "merges" not in fields:
-        import sentencepiece as spm
 
         return spm.SentencePieceProcessor(model_proto=sentencepiece_model(fields)).encode(text)
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {t: i for i, t in enumerate(fields["tokens"])}
     merges = [tuple(m.split(" ", 1)) for m in fields["merges"]]
@@ -138,7 +139,6 @@ def check_tokenizer(folder: str | os.PathLike, gguf_path: str | os.PathLike) -> 
     :data:`SAMPLE` (a merges vocabulary: on its words, and decodes the whole sample back);
     else one :class:`TokenizerMismatch` naming the tokenizer and the first piece that
     differs."""
-    from transformers import AutoTokenizer
 
     fields = _fields(Path(gguf_path))
     written = AutoTokenizer.from_pretrained(str(folder))

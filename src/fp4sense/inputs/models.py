@@ -19,6 +19,8 @@ from fp4sense import defaults
 from fp4sense.inputs.assets import ensure_model
 from fp4sense.inputs.texts import protocol_windows
 from fp4sense.structure.lineage import is_hub_id
+from fp4sense.structure.offload import BlockStore
+from fp4sense.structure.units import find_blocks
 from fp4sense.validate import InputError
 
 __all__ = ["BUNDLED_MODEL_NOTE", "DEFAULT_ANALYSIS_WINDOWS", "STORED_DTYPES", "analysis_windows",
@@ -152,7 +154,6 @@ def _load_without_blocks(source, dtype: torch.dtype, instead: str):
     """The model with its weights outside the decoder blocks loaded and its blocks on
     the meta device (built with the full config, each with its index)."""
 
-    from fp4sense.structure.units import find_blocks
 
     config = AutoConfig.from_pretrained(source)
     text = config.get_text_config()
@@ -212,8 +213,6 @@ def _attach_blocks(model, source, text: str, dtype: torch.dtype,
                    device: str | torch.device = "cpu", instead: str = "") -> None:
     """Read each block's weights from the model's files when it runs (one line naming the
     first weight that is not in them, and the way out)."""
-    from fp4sense.structure.offload import BlockStore
-    from fp4sense.structure.units import find_blocks
 
     files = _weight_files(source)
     blocks_path, blocks = find_blocks(model)

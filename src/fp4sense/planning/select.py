@@ -15,6 +15,8 @@ from collections.abc import Callable
 import torch
 
 from fp4sense.diagnosis import SensitivityReport
+from fp4sense.diagnosis.cache import EntryCache
+from fp4sense.diagnosis.engine import Analysis
 from fp4sense.numerics.schemes import get_scheme, rotations_of
 from fp4sense.planning.milp import Plan, PlanError, solve
 from fp4sense.structure.units import UnitMap
@@ -106,8 +108,6 @@ class Judge:
     def __init__(self, model: torch.nn.Module, units: UnitMap, windows: torch.Tensor,
                  rounded=None, schemes=(), calibration: torch.Tensor | None = None,
                  stats: dict | None = None, importance: dict | None = None):
-        from fp4sense.diagnosis.cache import EntryCache
-        from fp4sense.diagnosis.engine import Analysis
 
         def analysis(on: torch.Tensor) -> Analysis:
             a = Analysis(model, on, units, EntryCache(None), progress=False, rounded=rounded)

@@ -15,6 +15,17 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, constants, get_token
+from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub.repocard import REGEX_YAML_BLOCK
+from huggingface_hub.utils import validate_repo_id
+
+from fp4sense.checkpoint.checks import (
+    TOKENIZER_CONFIG,
+    VOCABULARIES,
+    CheckpointError,
+    check_checkpoint,
+)
 from fp4sense.publishing.contents import (
     local_paths,
     outside_links,
@@ -101,8 +112,6 @@ def validate_model_card(path: str | os.PathLike) -> list[str]:
 
 def _read_card(path: Path) -> tuple[dict, list[str]]:
     """A model card's metadata (as huggingface_hub loads it) and its problems."""
-    from huggingface_hub import ModelCard
-    from huggingface_hub.repocard import REGEX_YAML_BLOCK
 
     if not path.is_file():
         return {}, [f"{path}: no model card; write one (fp4sense quantize does) or add "
@@ -160,12 +169,6 @@ def check_folder(folder: str | os.PathLike, allow_local_paths: bool = False) -> 
     JSON file that records absolute paths of this machine (unless ``allow_local_paths``:
     then they are notes; checkpoints of fp4sense before 0.4 record them).
     """
-    from fp4sense.checkpoint.checks import (
-        TOKENIZER_CONFIG,
-        VOCABULARIES,
-        CheckpointError,
-        check_checkpoint,
-    )
 
     folder = Path(folder)
     if not folder.is_dir():
@@ -241,7 +244,6 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False,
     file is not changed). Raises :class:`PushError` (the folder) or :class:`HubError`
     (token, network, upload); either way nothing is left half-done.
     """
-    from huggingface_hub.utils import validate_repo_id
 
     try:
         validate_repo_id(repo_id)
@@ -264,8 +266,6 @@ def _upload(ready: ReadyFolder, repo_id: str, card: bytes, *, private: bool,
             token: str | None, revision: str | None,
             commit_message: str | None) -> tuple[str, bool]:
     """Upload in one commit; (commit url, whether the repo was created for it)."""
-    from huggingface_hub import CommitOperationAdd, HfApi, constants, get_token
-    from huggingface_hub.errors import HfHubHTTPError
 
     token = token or get_token()
     if not token:
