@@ -8,6 +8,7 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from fp4sense import __version__, options
 from fp4sense.cli.arguments import (
@@ -241,24 +242,34 @@ def _cmd_push(args: argparse.Namespace) -> int:
 
 
 # name -> (help, arguments, action); the order is the order of `fp4sense --help`
-COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
-                          Callable[[argparse.Namespace], int]]] = {
-    "setup": ("fetch and verify the bundled model and text (offline cache)",
-              setup_args, _cmd_setup),
-    "convert-gguf": ("convert a GGUF model file to an HF safetensors folder",
-                     convert_gguf_args, _cmd_convert_gguf),
-    "analyze": ("layer-wise and block-wise FP4 sensitivity of MODEL (measured and/or "
-                "estimated), written as a report", analyze_args, _cmd_analyze),
-    "quantize": ("plan under a budget from FP4 sensitivities and write a compressed-tensors "
-                 "checkpoint with llm-compressor", quantize_args, _cmd_quantize),
-    "eval": ("PPL, KL vs base, top-1 agreement and effective bits of a compressed-tensors "
-             "checkpoint", eval_args, _cmd_eval),
-    "verify-vllm": ("check that vLLM loads CHECKPOINT and computes the same log-probs as "
-                    "transformers (runs the serve environment)", verify_vllm_args,
-                    _cmd_verify_vllm),
-    "push": ("check a checkpoint folder and upload it to the Hugging Face Hub",
-             push_args, _cmd_push),
-    "schemes": ("list the scheme menu with bits per weight", schemes_args, _cmd_schemes),
+class Command(NamedTuple):
+    """One ``fp4sense`` command: what ``--help`` says of it, the function that adds its
+    arguments to a parser (every front door calls the same one), and its action."""
+
+    summary: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    action: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: dict[str, Command] = {
+    "setup": Command("fetch and verify the bundled model and text (offline cache)",
+                     setup_args, _cmd_setup),
+    "convert-gguf": Command("convert a GGUF model file to an HF safetensors folder",
+                            convert_gguf_args, _cmd_convert_gguf),
+    "analyze": Command("layer-wise and block-wise FP4 sensitivity of MODEL (measured and/or "
+                       "estimated), written as a report", analyze_args, _cmd_analyze),
+    "quantize": Command("plan under a budget from FP4 sensitivities and write a "
+                        "compressed-tensors checkpoint with llm-compressor", quantize_args,
+                        _cmd_quantize),
+    "eval": Command("PPL, KL vs base, top-1 agreement and effective bits of a "
+                    "compressed-tensors checkpoint", eval_args, _cmd_eval),
+    "verify-vllm": Command("check that vLLM loads CHECKPOINT and computes the same log-probs "
+                           "as transformers (runs the serve environment)", verify_vllm_args,
+                           _cmd_verify_vllm),
+    "push": Command("check a checkpoint folder and upload it to the Hugging Face Hub",
+                    push_args, _cmd_push),
+    "schemes": Command("list the scheme menu with bits per weight", schemes_args,
+                       _cmd_schemes),
 }
 
 
@@ -271,10 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"fp4sense {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (help_, add_arguments, action) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
-        add_arguments(p)
-        p.set_defaults(func=action)
+    for name, command in COMMANDS.items():
+        p = sub.add_parser(name, help=command.summary, description=command.summary)
+        command.add_arguments(p)
+        p.set_defaults(func=command.action)
     return parser
 
 

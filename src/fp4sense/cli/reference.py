@@ -30,10 +30,10 @@ def _default(action: argparse.Action) -> str:
 def markdown() -> str:
     """One table per command: flag (with its value's name or choices), default, help."""
     lines = [BEGIN, ""]
-    for name, (summary, add_args, _) in COMMANDS.items():
+    for name, command in COMMANDS.items():
         parser = argparse.ArgumentParser(prog=f"fp4sense {name}", add_help=False)
-        add_args(parser)
-        lines += [f"### `fp4sense {name}`", "", _cell(summary), "",
+        command.add_arguments(parser)
+        lines += [f"### `fp4sense {name}`", "", _cell(command.summary), "",
                   "| argument | default | meaning |", "|---|---|---|"]
         one_of = {id(a): "/".join(b.option_strings[0] for b in g._group_actions)
                   for g in parser._mutually_exclusive_groups if g.required

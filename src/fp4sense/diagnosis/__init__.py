@@ -1,7 +1,8 @@
 """The diagnosis stage: measured and estimated FP4 sensitivity of a model's units.
 
-``views.analyze`` runs an analysis and returns a :class:`results.SensitivityReport`
-(saved as sensitivity.json); ``engine.Analysis`` does the work (block-output replay,
+``views.analyze`` runs an analysis in stages (``stages.ViewsRun``: measure, estimate,
+stats, report) and returns a :class:`results.SensitivityReport` (saved as
+sensitivity.json); ``engine.Analysis`` does the work (block-output replay,
 the Fisher estimate, streamed block by block in ``estimate``; ``blockio``: a decoder
 block's call, kept and replayed), ``cache`` keeps finished entries (resumable),
 ``footprint`` says what the caches will hold, ``results`` holds the report and its

@@ -23,28 +23,23 @@ weights (and, for W4A4 / W8A8, inputs) are fake-quantized.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from fp4sense.diagnosis.cache import EntryCache, cache_key
 from fp4sense.diagnosis.engine import Analysis, Perturbation
 from fp4sense.diagnosis.footprint import check_cache_memory, weight_cache_bytes
-from fp4sense.diagnosis.results import Entry, SensitivityReport
-from fp4sense.diagnosis.stats import correlations, mean_se
+from fp4sense.diagnosis.results import SensitivityReport
+from fp4sense.diagnosis.stages import ViewsRun
 from fp4sense.inputs.models import quantization_dtypes
 from fp4sense.numerics.schemes import get_scheme, rotations_of
-from fp4sense.runtime import distributed
 from fp4sense.structure.experts import expert_targets, projection_targets
-from fp4sense.structure.units import Unit, UnitMap, find_units, model_fingerprint, model_name
+from fp4sense.structure.units import Unit, UnitMap, find_units, model_fingerprint
 from fp4sense.validate import register_unique
 
 __all__ = ["MODES", "REPORT_VIEWS", "VIEWS", "ReportView", "analyze", "check_request",
@@ -241,120 +236,9 @@ def analyze(
     run.qweight_limit = weights
     run.rotations = rotations_of(schemes)
     try:
-        return _run_views(run, model, windows, units, cache, schemes, views, modes,
-                          grid_blocks, text, context, fingerprint, key, t0, log)
+        return ViewsRun(run, model, windows, units, cache, list(schemes), views, modes,
+                        grid_blocks, text, context, fingerprint, key, t0, log,
+                        REPORT_VIEWS)()
     finally:
         if run.store is not None and run.store.owns_weights:
             run.store.close(restore=True)
-
-
-def _run_views(run: Analysis, model, windows, units, cache, schemes, views, modes,
-               grid_blocks, text, context, fingerprint, key, t0, log) -> SensitivityReport:
-
-    skipped = [{"unit": u.name, "scheme": s, "reason": u.why_infeasible(s)}
-               for u in units.units for s in schemes if u.why_infeasible(s)]
-    entries: list[Entry] = []
-    view_parts = [p.name for p in REPORT_VIEWS.values() if p.option in views]
-    cost = {"measured_block_forwards": 0, "naive_block_forwards": 0, "cached_entries": 0,
-            "seconds": {}}
-
-    if "measured" in modes:
-        jobs = []
-        for scheme in schemes:  # scheme outermost: protect reuses that scheme's outputs
-            for part in view_parts:
-                for target, members in REPORT_VIEWS[part].targets(units, grid_blocks):
-                    pert = {m: (u, scheme) for u, mods in members for m in mods
-                            if u.why_infeasible(scheme) is None}
-                    if pert:
-                        jobs.append((part, scheme, target, pert))
-        t = time.perf_counter()
-        mine = distributed.shard(list(range(len(jobs))))
-        bar = tqdm(mine, desc="measuring", disable=not run.progress, unit="run")
-        results: dict[int, tuple[dict, bool]] = {}
-        for n in bar:
-            part, scheme, target, pert = jobs[n]
-            bar.set_postfix_str(f"{part} {scheme} {target}"[:40])
-            k = f"measured|{part}|{scheme}|{target}"
-            hit = cache.get(k)
-            if hit is None:
-                result = REPORT_VIEWS[part].measure(run, scheme, target, pert)
-                cache.put(k, result)  # every rank appends its own, under a file lock
-            results[n] = (hit if hit is not None else result, hit is not None)
-        shares = distributed.gather((results, run.block_forwards))
-        for share, _ in shares:
-            results.update(share)
-        for n, (part, scheme, target, _) in enumerate(jobs):
-            result, was_cached = results[n]
-            if was_cached:
-                cost["cached_entries"] += 1
-            else:
-                cost["naive_block_forwards"] += len(windows) * units.n_blocks
-            entries.append(Entry(part, scheme, target, "measured", **{
-                f: result[f] for f in ("kl", "kl_se", "dppl", "dppl_se", "top1", "top1_se",
-                                       "block_forwards")}))
-        cost["seconds"]["measured"] = round(time.perf_counter() - t, 2)
-        block_forwards = sum(forwards for _, forwards in shares)
-        if block_forwards:  # the naive way needs the base model's pass too
-            cost["naive_block_forwards"] += len(windows) * units.n_blocks
-        cost["measured_block_forwards"] = block_forwards
-
-    if "estimated" in modes:
-        run.release_replay()
-        t = time.perf_counter()
-        k = "estimated|linears|" + ",".join(schemes)
-        pert = None
-        if context:
-            by_name = units.by_name()
-            pert = {m: (by_name[u], s) for u, s in sorted(context.items())
-                    if get_scheme(s).quantizes for m in by_name[u].modules}
-            k += "|context=" + hashlib.sha256(json.dumps(sorted(context.items())).encode()
-                                              ).hexdigest()[:12]
-        hit = cache.get(k)
-        if hit is None:
-            mine = distributed.shard(list(range(len(windows))))
-            shares = distributed.gather(run.estimate(schemes, context=pert, windows=mine))
-            raw = {key_: distributed.unshard([s[key_] for s in shares], len(windows))
-                   for key_ in shares[0]}
-            item = {"scores": {f"{m}|{s}": v for (m, s), v in raw.items()}}
-            if distributed.is_main():
-                cache.put(k, item)
-            else:
-                cache.items[k] = {"key": k, **item}
-        else:
-            raw = {tuple(key_.split("|")): v for key_, v in hit["scores"].items()}
-            cost["cached_entries"] += 1
-        cost["seconds"]["estimated"] = round(time.perf_counter() - t, 2)
-        cost["estimated_forward_backward_passes"] = len(windows)
-        for part in ["grid", *[p for p in view_parts if p != "grid"]]:
-            for scheme in schemes:
-                for target, members in REPORT_VIEWS[part].targets(units, None):
-                    per_window = [raw[(m, scheme)] for u, mods in members for m in mods
-                                  if (m, scheme) in raw]
-                    if not per_window:
-                        continue
-                    summed = np.sum(np.asarray(per_window), axis=0).tolist()
-                    kl, se = mean_se(summed)
-                    entries.append(Entry(part, scheme, target, "estimated", kl, se))
-
-    if run.stats is None:
-        cached_stats = cache.get("stats")
-        if cached_stats is None:
-            run.base_pass()
-    if run.stats is not None and cache.get("stats") is None:
-        item = {"stats": run.stats, "base_ppl": run.base_ppl(), "routing": run.routing}
-        if distributed.is_main():
-            cache.put("stats", item)
-        else:
-            cache.items["stats"] = {"key": "stats", **item}
-    stats_item = cache.get("stats")
-    report = SensitivityReport(
-        model=model_name(model), model_fingerprint=fingerprint,
-        text={**(text or {}), "windows": int(windows.shape[0]),
-              "window_tokens": int(windows.shape[1]), "cache_key": key},
-        schemes=list(schemes), units=units, entries=entries,
-        base_ppl=stats_item["base_ppl"], activation_stats=stats_item["stats"],
-        routing=stats_item.get("routing", {}), skipped=skipped, cost=cost,
-    )
-    cost["total_seconds"] = round(time.perf_counter() - t0, 2)
-    report.correlations = correlations(report)
-    return report

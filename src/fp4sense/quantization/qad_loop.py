@@ -129,6 +129,19 @@ def train(model, data, teacher, params, quantizer, st, state_dir: Path | None, k
             _save_state(state_dir, key, st, params, opt, step, lr, hist, rollbacks, best,
                         quantizer.scales, chosen)
     bar.close()
+    loss_after, extra = _end_state(loss, data, teacher, quantizer, params, held, held_before,
+                                   chosen, best, step, desc, label, log)
+    log(f"{desc}: {st.steps} steps, {label} on the first training windows {loss_before:.4f} -> "
+        f"{loss_after:.4f}" + (f", {len(rollbacks)} rollback(s)" if rollbacks else ""))
+    return {"steps": st.steps, "loss_before": loss_before, "loss_after": loss_after,
+            "rollbacks": rollbacks, "history": hist, **extra}
+
+
+def _end_state(loss, data, teacher, quantizer, params, held, held_before, chosen, best,
+               step: int, desc: str, label: str, log) -> tuple[float, dict]:
+    """End on the state the held-out windows judge best (with ``held``), else on the
+    better of the last and the best training state; (its loss on the training windows,
+    the held-out record)."""
     extra: dict = {}
     if held is not None:  # end on the state the held-out windows judge best
         for p, v in zip(params, chosen[2], strict=True):
@@ -152,10 +165,7 @@ def train(model, data, teacher, params, quantizer, st, state_dir: Path | None, k
             for p, v in zip(params, last, strict=True):
                 p.data.copy_(v)
             quantizer.refresh(search=True)
-    log(f"{desc}: {st.steps} steps, {label} on the first training windows {loss_before:.4f} -> "
-        f"{loss_after:.4f}" + (f", {len(rollbacks)} rollback(s)" if rollbacks else ""))
-    return {"steps": st.steps, "loss_before": loss_before, "loss_after": loss_after,
-            "rollbacks": rollbacks, "history": hist, **extra}
+    return loss_after, extra
 
 
 class _Order:

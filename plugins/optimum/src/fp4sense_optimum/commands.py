@@ -22,7 +22,7 @@ def _leaf(name: str) -> type[BaseOptimumCLICommand]:
     """An optimum-cli command class that runs ``fp4sense NAME``."""
 
     def parse_args(parser: ArgumentParser) -> None:
-        parser.description = COMMANDS[name][0]
+        parser.description = COMMANDS[name].summary
         COMMANDS[name][1](parser)
 
     def run(self: BaseOptimumCLICommand) -> None:
