@@ -136,7 +136,7 @@ def test_a_quantize_result_reads_as_its_json():
 MODIFIER_FIELDS = {"budget_bits": "budget_bits", "budget_bytes": "budget_bytes",
                    "kl_target": "kl_target", "menu": "menu", "sensitivity": "sensitivity",
                    "sensitivity_mode": "sensitivity_mode", "pins": "pins",
-                   "estimate_windows": "analysis_windows"}
+                   "estimate_windows": "analysis_windows", "scale_search": "scale_search"}
 
 
 def test_the_yaml_plan_modifier_takes_quantizes_defaults():
@@ -167,6 +167,34 @@ def test_the_yaml_plan_modifier_takes_quantizes_defaults():
         assert got[field] == want, keyword
     assert tuple(got["menu"]) == defaults.MENU
     assert got["analysis_windows"] == defaults.ANALYSIS_WINDOWS
+
+
+def test_the_yaml_modifier_and_the_command_line_resolve_the_same_menu():
+    """Not only the defaults: the menu each door plans from, resolved by its own code
+    path (quantize's Objective, the modifier's field), is the same, with the searched-scale
+    twins; without scale search, neither adds them."""
+    import json
+
+    from fp4sense import defaults
+    from fp4sense.jobs.quantize_request import Objective
+
+    def modifier(**fields) -> list[str]:
+        code = ("import json; from fp4sense_llmcompressor.modifier import "
+                f"SensitivityGuidedModifier as M; m = M(budget_bits=5.0, **{fields!r}); "
+                "print(json.dumps(m.resolved_menu))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    def command_line(scale_search: bool) -> list[str]:
+        return list(Objective.parse(menu=defaults.MENU, scale_search=scale_search,
+                                    budget_bits=5.0, budget_bytes=None, kl_target=None,
+                                    pins=None, sensitivity=None, sensitivity_mode=None,
+                                    select_plans=1).menu)
+
+    assert modifier() == command_line(True)
+    assert "NVFP4_SEARCH" in command_line(True)
+    assert modifier(scale_search=False) == command_line(False) == list(defaults.MENU)
 
 
 def test_window_defaults_are_the_definitions_everywhere():

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fp4sense.inputs.assets import default_model_path
-from fp4sense.numerics.schemes import get_scheme, with_search_twins
+from fp4sense.numerics.schemes import get_scheme
 from fp4sense.planning.milp import check_pins
-from fp4sense.planning.select import check_menu
+from fp4sense.planning.select import check_menu, effective_menu
 from fp4sense.quantization.distill import DistillError
 from fp4sense.quantization.distill_settings import DistillSettings
 from fp4sense.runtime.devices import Placement, resolve
@@ -48,8 +48,8 @@ class Objective:
 
     @classmethod
     def parse(cls, *, menu: Sequence[str], scale_search: bool, **rest) -> Objective:
-        names = with_search_twins(menu) if scale_search else [get_scheme(s).name for s in menu]
-        return cls(menu=tuple(names), scale_search=scale_search, **rest)
+        return cls(menu=tuple(effective_menu(menu, scale_search)[0]),
+                   scale_search=scale_search, **rest)
 
     def check(self) -> None:
         """The pins' schemes now; the units they match once the model is loaded."""
@@ -66,9 +66,7 @@ class Objective:
         """(the menu a plan from the given ``report`` uses, the searched-scale twins it
         leaves out because the report does not score them: with ``scale_search`` they
         were added here, not asked for)."""
-        unscored = [s for s in self.menu if get_scheme(s).scale_search
-                    and s not in report.schemes] if self.scale_search else []
-        return [s for s in self.menu if s not in unscored], unscored
+        return effective_menu(self.menu, self.scale_search, report.schemes)
 
     @property
     def quantizing(self) -> list[str]:

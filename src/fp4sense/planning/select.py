@@ -17,12 +17,24 @@ import torch
 from fp4sense.diagnosis import SensitivityReport
 from fp4sense.diagnosis.cache import EntryCache
 from fp4sense.diagnosis.engine import Analysis
-from fp4sense.numerics.schemes import get_scheme, rotations_of
+from fp4sense.numerics.schemes import get_scheme, rotations_of, with_search_twins
 from fp4sense.planning.milp import Plan, PlanError, solve
 from fp4sense.structure.units import UnitMap
 
-__all__ = ["best_plans", "check_menu", "check_quantizes", "measure_on", "select_measured",
-           "select_on_calibration"]
+__all__ = ["best_plans", "check_menu", "check_quantizes", "effective_menu", "measure_on",
+           "select_measured", "select_on_calibration"]
+
+
+def effective_menu(menu, scale_search: bool, scored=None) -> tuple[list[str], list[str]]:
+    """The menu a plan draws from, the one rule of every front door (``quantize``, its
+    Python function and the YAML ``SensitivityGuidedModifier``): ``menu`` by its
+    canonical names, with each FP4 scheme's searched-scale twin when ``scale_search``
+    (their default); given the schemes a saved report ``scored``, less the searched-scale
+    schemes it does not score. Returns (menu, schemes left out)."""
+    names = with_search_twins(menu) if scale_search else [get_scheme(s).name for s in menu]
+    unscored = [s for s in names if get_scheme(s).scale_search and s not in scored
+                ] if scale_search and scored is not None else []
+    return [s for s in names if s not in unscored], unscored
 
 
 def check_menu(menu) -> None:

@@ -43,6 +43,7 @@ from fp4sense.inputs.moe import stored_expert_names
 from fp4sense.numerics.rotation import transform_config
 from fp4sense.numerics.schemes import get_scheme
 from fp4sense.planning.milp import DEFAULT_MENU, Plan, PlanError, solve
+from fp4sense.planning.select import effective_menu
 from fp4sense.structure.units import model_fingerprint
 from fp4sense_llmcompressor.storage import store_in
 
@@ -57,6 +58,9 @@ class SensitivityGuidedModifier(QuantizationModifier):
     :param budget_bytes: total bytes of the decoder linears' stored tensors.
     :param kl_target: the fewest bits whose predicted KL stays under this value.
     :param menu: schemes a unit may get (fp4sense's menu names; BF16 = left alone).
+    :param scale_search: add each FP4 menu scheme's searched-scale twin, taken unit by
+        unit where it scores lower (``fp4sense quantize``'s default; the one rule is
+        :func:`fp4sense.planning.select.effective_menu`).
     :param sensitivity: path of a saved sensitivity.json (``fp4sense analyze``); when
         unset, an estimated grid is computed now from the calibration data.
     :param sensitivity_mode: which grid of the report to use (measured / estimated;
@@ -76,6 +80,7 @@ class SensitivityGuidedModifier(QuantizationModifier):
     budget_bytes: int | None = None
     kl_target: float | None = None
     menu: list[str] = list(DEFAULT_MENU)
+    scale_search: bool = True
     sensitivity: str | None = None
     sensitivity_mode: str | None = None
     analysis_windows: int = defaults.ANALYSIS_WINDOWS
@@ -87,6 +92,11 @@ class SensitivityGuidedModifier(QuantizationModifier):
     requires_calibration_data: bool = True
 
     _plan: Plan | None = PrivateAttr(None)
+
+    @property
+    def resolved_menu(self) -> list[str]:
+        """The menu the plan draws from (before a saved report's unscored twins leave)."""
+        return effective_menu(self.menu, self.scale_search)[0]
 
     @property
     def applied_plan(self) -> Plan | None:
@@ -101,9 +111,10 @@ class SensitivityGuidedModifier(QuantizationModifier):
             _check_calibration_dtype(self.plan, self._plan, state.model)
         else:
             report = self._sensitivity(state)
+            menu, _ = effective_menu(self.menu, self.scale_search, report.schemes)
             self._plan = solve(report, budget_bits=self.budget_bits,
                                budget_bytes=self.budget_bytes, kl_target=self.kl_target,
-                               menu=self.menu, pins=self.pins, mode=self.sensitivity_mode)
+                               menu=menu, pins=self.pins, mode=self.sensitivity_mode)
             outside = report.units.outside
         if self.plan_path:
             self._plan.save(self.plan_path)
@@ -146,7 +157,7 @@ class SensitivityGuidedModifier(QuantizationModifier):
             return SensitivityReport.load(Path(self.sensitivity),
                                           model_fingerprint=model_fingerprint(model))
         windows = _calibration_windows(state, self.analysis_windows)
-        quantized = [s for s in self.menu if get_scheme(s).quantizes]
+        quantized = [s for s in self.resolved_menu if get_scheme(s).quantizes]
         return analyze(model, windows, schemes=quantized, views=["grid"],
                        modes=["estimated"], cache_dir=None, log=lambda msg: None)
 
