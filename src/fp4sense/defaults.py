@@ -21,6 +21,10 @@ CALIB_WINDOWS = 32
 EVAL_WINDOWS = 16
 #: tokens per window
 WINDOW_TOKENS = 512
+#: verify-vllm: the prompt vLLM and transformers both continue greedily
+VLLM_PROMPT = "The President of the United States said that"
+#: verify-vllm: seconds the vLLM run may take
+VLLM_TIMEOUT_S = 900.0
 
 
 def cache_dir() -> Path:

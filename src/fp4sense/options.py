@@ -30,6 +30,7 @@ from fp4sense import defaults
 from fp4sense.validate import (
     InputError,
     block_list,
+    bounded_float,
     bounded_int,
     device_name,
     non_empty,
@@ -39,8 +40,8 @@ from fp4sense.validate import (
     positive_int,
 )
 
-__all__ = ["ANALYZE", "EVAL", "QUANTIZE", "Option", "add", "check", "keywords", "pins_of",
-           "windows"]
+__all__ = ["ANALYZE", "CONVERT_GGUF", "EVAL", "PUSH", "QUANTIZE", "VERIFY_VLLM", "Option",
+           "add", "check", "keywords", "pins_of", "windows"]
 
 _NUMBERS = (positive_int, non_negative_int, positive_float, non_negative_float)
 #: --tokens: a window of one token predicts nothing (its loss is NaN)
@@ -231,6 +232,45 @@ EVAL: tuple[Option, ...] = (
     Option("as_served", "--as-served", False, "compute MXFP4A16 layers as W4A4, as vLLM "
            "serves them", switch=True),
     *_PLACEMENT,
+)
+
+
+#: verify-vllm --timeout: past a day, a run is hung, not slow (and far past it, the
+#: subprocess's timer overflows)
+MAX_VLLM_TIMEOUT = 86400.0
+VLLM_TIMEOUT = bounded_float(MAX_VLLM_TIMEOUT, "a vLLM run that long is hung; give seconds")
+
+VERIFY_VLLM: tuple[Option, ...] = (
+    *windows(2, "evaluation windows to score; tokens <= 512"),
+    Option("prompt", "--prompt", defaults.VLLM_PROMPT, "the prompt vLLM and transformers "
+           "both continue greedily"),
+    Option("serve_python", "--serve-python", None, "python of the vLLM environment"),
+    Option("max_abs", "--max-abs", None, "limit on max |d logprob| (default: by scheme, see "
+           "docs/vllm.md)", non_negative_float),
+    Option("mean_abs", "--mean-abs", None, "limit on mean |d logprob|", non_negative_float),
+    Option("ppl_rel", "--ppl-rel", None, "limit on the relative perplexity difference",
+           non_negative_float),
+    Option("timeout_s", "--timeout", defaults.VLLM_TIMEOUT_S, "seconds for the vLLM run (at "
+           f"most {MAX_VLLM_TIMEOUT:g}: a day)", VLLM_TIMEOUT),
+)
+
+PUSH: tuple[Option, ...] = (
+    Option("repo_id", "--repo-id", None, "Hub repo, OWNER/NAME (or NAME: yours)",
+           required=True),
+    Option("private", "--private", False, "create the repo private", switch=True),
+    Option("dry_run", "--dry-run", False, "run every check and list the files; upload "
+           "nothing", switch=True),
+    Option("revision", "--revision", None, "branch to commit to (default: main)"),
+    Option("commit_message", "--message", None, "commit message"),
+    Option("allow_local_paths", "--allow-local-paths", False, "upload JSON files that record "
+           "paths of this machine (older checkpoints)", switch=True),
+)
+
+CONVERT_GGUF: tuple[Option, ...] = (
+    Option("out_dir", "--out", None, "output folder", Path, required=True),
+    Option("name_or_path", "--name", None, "name_or_path to record (e.g. the hub id)"),
+    Option("overwrite", "--overwrite", False, "replace a non-empty --out (only a folder "
+           "fp4sense wrote)", switch=True),
 )
 
 

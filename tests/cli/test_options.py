@@ -6,6 +6,7 @@ its front door's keywords."""
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 from dataclasses import fields
@@ -318,3 +319,28 @@ def test_every_number_parser_is_checked_on_the_functions_side():
     parsers = {f for name, f in vars(validate).items()
                if name.startswith(("positive_", "non_negative_")) and callable(f)}
     assert parsers and set(options._NUMBERS) == parsers
+
+
+@pytest.mark.parametrize("table, function", [
+    ("VERIFY_VLLM", "fp4sense.evaluation.vllm_check:verify_vllm_many"),
+    ("PUSH", "fp4sense.publishing.hub:push"),
+    ("CONVERT_GGUF", "fp4sense.inputs.gguf:convert_gguf"),
+])
+def test_verify_push_and_convert_take_their_flags_from_the_option_table(table, function):
+    """verify-vllm, push and convert-gguf join the option table: every flag the command
+    line passes to the function by keyword is one of its parameters, with the same
+    default (the prompt and the timeout are written once, in fp4sense.defaults)."""
+    import importlib
+
+    from fp4sense import options
+
+    module, name = function.split(":")
+    params = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+    passed = [o for o in getattr(options, table)
+              if o.keyword not in ("n_windows", "window_tokens", "raw_windows", "max_abs",
+                                   "mean_abs", "ppl_rel")]  # windows and tolerance: built first
+    for option in passed:
+        assert option.keyword in params, (table, option.keyword)
+        default = params[option.keyword].default
+        if default is not inspect.Parameter.empty:
+            assert option.default == default, (table, option.keyword)

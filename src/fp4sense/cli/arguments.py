@@ -12,9 +12,7 @@ from pathlib import Path
 from fp4sense import options
 from fp4sense.quantization.distill_settings import MODES, cli_options
 from fp4sense.validate import (
-    bounded_float,
     non_empty,
-    non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
@@ -28,12 +26,6 @@ _DISTILL_TYPES = {"steps": dict(type=positive_int, metavar="STEPS"),
                   "windows": dict(type=positive_int),
                   "holdout": dict(type=non_negative_int, metavar="N"),
                   "mode": dict(choices=list(MODES))}
-
-
-#: verify-vllm --timeout: past a day, a run is hung, not slow (and far past it, the
-#: subprocess's timer overflows)
-MAX_VLLM_TIMEOUT = 86400.0
-VLLM_TIMEOUT = bounded_float(MAX_VLLM_TIMEOUT, "a vLLM run that long is hung; give seconds")
 
 
 def _add_distill(p: argparse.ArgumentParser) -> None:
@@ -75,9 +67,7 @@ def setup_args(p: argparse.ArgumentParser) -> None:
 
 def convert_gguf_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("gguf", type=Path, help="path of the .gguf file")
-    p.add_argument("--out", type=Path, required=True, help="output folder")
-    p.add_argument("--name", default=None, help="name_or_path to record (e.g. the hub id)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    options.add(p, options.CONVERT_GGUF)
     _add_json(p)
 
 
@@ -109,30 +99,13 @@ def verify_vllm_args(p: argparse.ArgumentParser) -> None:
                    help="compressed-tensors checkpoint folder(s); several share one vLLM "
                         "process")
     _add_text(p, "evaluation text file (default: protocol evaluation split)")
-    options.add(p, options.windows(2, "evaluation windows to score; tokens <= 512"))
-    p.add_argument("--prompt", default="The President of the United States said that")
-    p.add_argument("--serve-python", default=None, help="python of the vLLM environment")
-    p.add_argument("--max-abs", type=non_negative_float, default=None,
-                   help="limit on max |d logprob| (default: by scheme, see docs/vllm.md)")
-    p.add_argument("--mean-abs", type=non_negative_float, default=None,
-                   help="limit on mean |d logprob|")
-    p.add_argument("--ppl-rel", type=non_negative_float, default=None,
-                   help="limit on the relative perplexity difference")
-    p.add_argument("--timeout", type=VLLM_TIMEOUT, default=900.0,
-                   help=f"seconds for the vLLM run (at most {MAX_VLLM_TIMEOUT:g}: a day)")
+    options.add(p, options.VERIFY_VLLM)
     _add_json(p)
 
 
 def push_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", type=Path, help="compressed-tensors checkpoint folder")
-    p.add_argument("--repo-id", required=True, help="Hub repo, OWNER/NAME (or NAME: yours)")
-    p.add_argument("--private", action="store_true", help="create the repo private")
-    p.add_argument("--dry-run", action="store_true",
-                   help="run every check and list the files; upload nothing")
-    p.add_argument("--revision", default=None, help="branch to commit to (default: main)")
-    p.add_argument("--message", default=None, help="commit message")
-    p.add_argument("--allow-local-paths", action="store_true",
-                   help="upload JSON files that record paths of this machine (older checkpoints)")
+    options.add(p, options.PUSH)
     _add_json(p)
 
 

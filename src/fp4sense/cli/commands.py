@@ -65,7 +65,7 @@ def _cmd_setup(args: argparse.Namespace) -> int:
 def _cmd_convert_gguf(args: argparse.Namespace) -> int:
     from fp4sense.inputs.gguf import convert_gguf
 
-    out = convert_gguf(args.gguf, args.out, overwrite=args.overwrite, name_or_path=args.name)
+    out = convert_gguf(args.gguf, **options.keywords(args, options.CONVERT_GGUF))
     _emit_json({"out": str(out)}) if args.json else print(f"wrote {out}")
     return EXIT_OK
 
@@ -108,7 +108,7 @@ def _cmd_verify_vllm(args: argparse.Namespace) -> int:
         *(math.inf if v is None else v for v in limits))
     results = verify_vllm_many(args.checkpoint, windows, prompt=args.prompt,
                                serve_python=args.serve_python, tolerance=tolerance,
-                               timeout_s=args.timeout)
+                               timeout_s=args.timeout_s)
     if args.json:  # one checkpoint: its object; several: a list of them
         dicts = [r.to_dict() for r in results]
         _emit_json(dicts[0] if len(dicts) == 1 else dicts)
@@ -215,9 +215,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_push(args: argparse.Namespace) -> int:
     from fp4sense.publishing.hub import push
 
-    result = push(args.checkpoint, args.repo_id, private=args.private, dry_run=args.dry_run,
-                  revision=args.revision, commit_message=args.message,
-                  allow_local_paths=args.allow_local_paths)
+    result = push(args.checkpoint, **options.keywords(args, options.PUSH))
     if args.json:
         _emit_json(result)
         return EXIT_OK

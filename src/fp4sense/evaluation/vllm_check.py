@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from fp4sense import defaults
+
 # the one checkpoint checker (eval, push and this comparison share it)
 from fp4sense.checkpoint.checks import check_checkpoint
 from fp4sense.checkpoint.loading import load_checkpoint
@@ -183,10 +185,10 @@ def run_vllm_many(folders: Sequence[Path], windows: Sequence[torch.Tensor], prom
 def verify_vllm(
     folder: str | os.PathLike,
     windows: torch.Tensor,
-    prompt: str = "The President of the United States said that",
+    prompt: str = defaults.VLLM_PROMPT,
     serve_python: str | os.PathLike | None = None,
     tolerance: Tolerance | None = None,
-    timeout_s: float = 900.0,
+    timeout_s: float = defaults.VLLM_TIMEOUT_S,
 ) -> VerifyResult:
     """Check ``folder``, then compare vLLM's and transformers' log-probs on ``windows``.
 
@@ -200,10 +202,10 @@ def verify_vllm(
 def verify_vllm_many(
     folders: Sequence[str | os.PathLike],
     windows: Sequence[torch.Tensor],
-    prompt: str = "The President of the United States said that",
+    prompt: str = defaults.VLLM_PROMPT,
     serve_python: str | os.PathLike | None = None,
     tolerance: Tolerance | None = None,
-    timeout_s: float = 900.0,
+    timeout_s: float = defaults.VLLM_TIMEOUT_S,
 ) -> list[VerifyResult]:
     """:func:`verify_vllm` for several checkpoints (``windows[i]`` scores ``folders[i]``)
     with one vLLM process: every folder is checked before vLLM starts."""
