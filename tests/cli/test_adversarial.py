@@ -484,3 +484,27 @@ def test_an_empty_text_is_called_empty(tiny_llama, tmp_path, source):
     proc = _run("analyze", tiny_llama, "--text", path, "--windows", "1", "--tokens", "32",
                 "--no-cache", "--out", tmp_path / "a")
     _one_line(proc, 1, str(path), "is empty")
+
+
+def test_an_analysis_beside_a_users_file_never_lets_overwrite_take_it(tiny_llama, text_file,
+                                                                     tmp_path):
+    """analyze may write into a folder holding a file of the user's; the ledger records
+    only what analyze wrote, so a later --overwrite of that folder names the user's file
+    and replaces nothing."""
+    env = {"FP4SENSE_CACHE": str(tmp_path / "cache")}
+    shared = tmp_path / "work"
+    shared.mkdir()
+    (shared / "notes.txt").write_text("mine")
+    proc = _run("analyze", tiny_llama, "--text", text_file, "--windows", "1", "--tokens", "32",
+                "--schemes", "NVFP4", "--views", "component", "--no-plots", "--no-cache",
+                "--out", shared, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (shared / "sensitivity.json").is_file()
+    proc = _run("analyze", tiny_llama, "--text", text_file, "--windows", "1", "--tokens", "32",
+                "--schemes", "NVFP4", "--views", "component", "--no-plots", "--no-cache",
+                "--out", shared, env=env)  # a rerun into the folder it wrote
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _run("quantize", tiny_llama, "--budget", "5", "--out", shared, "--overwrite",
+                "--text", text_file, *SMALL, env=env)
+    _one_line(proc, 1, "notes.txt", "did not write")
+    assert (shared / "notes.txt").read_text() == "mine"

@@ -86,7 +86,7 @@ def analyze_model(
         log(warning)
     if out_dir is not None and distributed.is_main():
         paths = write_analysis(report, Path(out_dir), notes=notes, plots=plots)
-        record_written(Path(out_dir))  # a rerun may write into it again
+        record_written(Path(out_dir), paths.values())  # what it wrote, none of the user's
         for key, path in paths.items():
             log(f"{key:12s} {path}")
     return report

@@ -161,14 +161,25 @@ def _files_of(folder: Path) -> list[str]:
     return sorted(found)
 
 
-def record_written(folder: Path) -> None:
-    """Record in the ledger what the folder fp4sense just published holds (a ledger that
-    cannot be written only costs a later ``--overwrite`` its shortcut)."""
+def record_written(folder: Path, files: Iterable[str | os.PathLike] | None = None) -> None:
+    """Record in the ledger what fp4sense wrote in ``folder``: everything it holds (a
+    folder just published), or the ``files`` a command added to it (analyze), with what
+    the ledger recorded before. A ledger that cannot be written only costs a later
+    ``--overwrite`` its shortcut."""
     path = _ledger_path(folder)
+    if files is None:
+        written = _files_of(Path(folder))
+    else:
+        try:
+            written = json.loads(path.read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            written = []
+        root = Path(folder).resolve()
+        written = sorted({*written, *(Path(f).resolve().relative_to(root).as_posix()
+                                      for f in files)})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"folder": str(Path(folder).resolve()),
-                                    "files": _files_of(Path(folder))}))
+        path.write_text(json.dumps({"folder": str(Path(folder).resolve()), "files": written}))
     except OSError:
         pass
 
