@@ -177,3 +177,15 @@ def mixed_plan_setup(path):
 def weights_of(model) -> dict:
     """A copy of every tensor of ``model``'s state."""
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def one_line(proc, code: int, *culprits: str) -> str:
+    """A command's result: exit ``code``, no traceback, one error line naming every
+    culprit; that line."""
+    assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    errors = [ln for ln in proc.stderr.splitlines() if "error" in ln]
+    assert len(errors) == 1, proc.stderr[-2000:]
+    for culprit in culprits:
+        assert culprit in errors[0], (culprit, errors[0])
+    return errors[0]

@@ -17,23 +17,13 @@ import pytest
 import torch
 
 from conftest import FP4SENSE, SMALL, make_tiny_llama
+from helpers import one_line
 
 
 def _run(*args, cwd=None, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([FP4SENSE, *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, env=None if env is None else {**os.environ, **env},
                           timeout=600)
-
-
-def _one_line(proc: subprocess.CompletedProcess, code: int, *culprits: str) -> str:
-    """Exit ``code``, no traceback, one error line naming every culprit; that line."""
-    assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    errors = [ln for ln in proc.stderr.splitlines() if "error" in ln]
-    assert len(errors) == 1, proc.stderr[-2000:]
-    for culprit in culprits:
-        assert culprit in errors[0], (culprit, errors[0])
-    return errors[0]
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
@@ -55,14 +45,14 @@ def gguf_dir(tmp_path) -> Path:
 def test_convert_gguf_into_the_folder_holding_the_gguf(gguf_dir):
     before = _snapshot(gguf_dir)
     proc = _run("convert-gguf", gguf_dir / "model.gguf", "--out", gguf_dir, "--overwrite")
-    _one_line(proc, 1, f"--out {gguf_dir}", "model.gguf")
+    one_line(proc, 1, f"--out {gguf_dir}", "model.gguf")
     assert _snapshot(gguf_dir) == before
 
 
 def test_convert_gguf_into_the_current_folder(gguf_dir):
     before = _snapshot(gguf_dir)
     proc = _run("convert-gguf", "model.gguf", "--out", ".", "--overwrite", cwd=gguf_dir)
-    _one_line(proc, 1, "--out .", "current folder")
+    one_line(proc, 1, "--out .", "current folder")
     assert _snapshot(gguf_dir) == before
 
 
@@ -70,7 +60,7 @@ def test_convert_gguf_into_a_parent_of_the_gguf(gguf_dir):
     before = _snapshot(gguf_dir.parent)
     proc = _run("convert-gguf", gguf_dir / "model.gguf", "--out", gguf_dir.parent,
                 "--overwrite")
-    _one_line(proc, 1, "the input")
+    one_line(proc, 1, "the input")
     assert _snapshot(gguf_dir.parent) == before
 
 
@@ -79,7 +69,7 @@ def test_convert_gguf_overwrite_of_a_users_folder(gguf_dir, tmp_path):
     mine.mkdir()
     (mine / "thesis.tex").write_text("years of work")
     proc = _run("convert-gguf", gguf_dir / "model.gguf", "--out", mine, "--overwrite")
-    _one_line(proc, 1, "thesis.tex", "did not write")
+    one_line(proc, 1, "thesis.tex", "did not write")
     assert (mine / "thesis.tex").read_text() == "years of work"
 
 
@@ -90,14 +80,14 @@ def test_quantize_overwrite_of_a_folder_holding_the_text(tiny_llama, tmp_path):
     text.write_text("the union " * 2000)
     proc = _run("quantize", tiny_llama, "--budget", "5", "--out", folder, "--overwrite",
                 "--text", text, *SMALL)
-    _one_line(proc, 1, "the input", str(text))
+    one_line(proc, 1, "the input", str(text))
     assert text.read_text() == "the union " * 2000
 
 
 def test_analyze_into_the_model_folder(tiny_llama, text_file):
     before = _snapshot(tiny_llama)
     proc = _run("analyze", tiny_llama, "--text", text_file, "--out", tiny_llama)
-    _one_line(proc, 1, "the input")
+    one_line(proc, 1, "the input")
     assert _snapshot(tiny_llama) == before
 
 
@@ -106,7 +96,7 @@ def test_analyze_into_a_users_folder(tiny_llama, text_file, tmp_path):
     mine.mkdir()
     (mine / "report.md").write_text("my own report")
     proc = _run("analyze", tiny_llama, "--text", text_file, "--out", mine)
-    _one_line(proc, 1, "report.md", "did not write")
+    one_line(proc, 1, "report.md", "did not write")
     assert (mine / "report.md").read_text() == "my own report"
 
 
@@ -118,7 +108,7 @@ def test_out_a_symlink_is_refused_and_the_link_kept(tiny_llama, text_file, tmp_p
     link.symlink_to(target)
     proc = _run("quantize", tiny_llama, "--budget", "5", "--out", link, "--overwrite",
                 "--text", text_file, *SMALL)
-    _one_line(proc, 1, "symbolic link", str(target))
+    one_line(proc, 1, "symbolic link", str(target))
     assert link.is_symlink() and (target / "keep.txt").read_text() == "x"
 
 
@@ -172,7 +162,7 @@ def test_two_conversions_to_one_out(gguf_dir, tmp_path):
     try:
         assert holder.stdout.readline().strip() == "claimed"
         proc = _run("convert-gguf", gguf_dir / "model.gguf", "--out", out)
-        _one_line(proc, 1, "being written by another fp4sense run", f"pid {holder.pid}")
+        one_line(proc, 1, "being written by another fp4sense run", f"pid {holder.pid}")
         assert not out.exists()
     finally:
         holder.kill()
@@ -316,11 +306,11 @@ def test_the_python_api_bounds_the_same_numbers(keyword, value, tmp_path):
 def test_tokens_beyond_the_models_context(tiny_llama, text_file):
     proc = _run("analyze", tiny_llama, "--text", text_file, "--tokens", "4096",
                 "--windows", "1", "--no-cache", "--out", tiny_llama.parent / "never")
-    _one_line(proc, 1, "--tokens 4096", "context of 1024")
+    one_line(proc, 1, "--tokens 4096", "context of 1024")
     assert not (tiny_llama.parent / "never").exists()
 
 
-def test_an_inf_weight_with_low_memory_is_one_line(tmp_path, text_file, tiny_llama):
+def test_an_inf_weight_with_low_memory_isone_line(tmp_path, text_file, tiny_llama):
     from safetensors.torch import load_file, save_file
 
     model = make_tiny_llama(tmp_path / "inf")
@@ -332,7 +322,7 @@ def test_an_inf_weight_with_low_memory_is_one_line(tmp_path, text_file, tiny_lla
     proc = _run("analyze", model, "--text", text_file, "--low-memory", "--mode", "estimated",
                 "--views", "grid", "--schemes", "NVFP4", "--windows", "1", "--tokens", "32",
                 "--no-cache", "--no-plots", "--out", tmp_path / "a")
-    _one_line(proc, 1, "model.layers.1.mlp.down_proj", "NaN/Inf")
+    one_line(proc, 1, "model.layers.1.mlp.down_proj", "NaN/Inf")
 
 
 def test_a_damaged_cache_entry_is_named_and_computed_again(tiny_llama, text_file, tmp_path):
@@ -361,7 +351,7 @@ def test_eval_of_a_truncated_plan_names_it(checkpoint, text_file):
     plan = checkpoint / "plan.json"
     plan.write_text(plan.read_text()[:100])
     proc = _run("eval", checkpoint, "--text", text_file, "--windows", "1", "--tokens", "32")
-    _one_line(proc, 1, str(plan), "cannot be read")
+    one_line(proc, 1, str(plan), "cannot be read")
 
 
 @pytest.mark.parametrize("content", ["[1, 2]", '{"version": 4, "choices": [{"unit": 1}]}'],
@@ -471,7 +461,7 @@ def test_a_pin_on_part_of_a_fused_unit_names_the_unit(tiny_llama, text_file, tmp
     infeasible, the line says so (it named only the budget before)."""
     proc = _run("quantize", tiny_llama, "--budget", "5", "--pin", pin, "--text", text_file,
                 *SMALL, "--out", tmp_path / "q")
-    line = _one_line(proc, 1, "share one scheme", unit)
+    line = one_line(proc, 1, "share one scheme", unit)
     assert "--pin" in line
     assert not (tmp_path / "q").exists()
 
@@ -483,7 +473,7 @@ def test_an_empty_text_is_called_empty(tiny_llama, tmp_path, source):
         path.write_text("\n\n")
     proc = _run("analyze", tiny_llama, "--text", path, "--windows", "1", "--tokens", "32",
                 "--no-cache", "--out", tmp_path / "a")
-    _one_line(proc, 1, str(path), "is empty")
+    one_line(proc, 1, str(path), "is empty")
 
 
 def test_an_analysis_beside_a_users_file_never_lets_overwrite_take_it(tiny_llama, text_file,
@@ -506,5 +496,5 @@ def test_an_analysis_beside_a_users_file_never_lets_overwrite_take_it(tiny_llama
     assert proc.returncode == 0, proc.stderr[-2000:]
     proc = _run("quantize", tiny_llama, "--budget", "5", "--out", shared, "--overwrite",
                 "--text", text_file, *SMALL, env=env)
-    _one_line(proc, 1, "notes.txt", "did not write")
+    one_line(proc, 1, "notes.txt", "did not write")
     assert (shared / "notes.txt").read_text() == "mine"

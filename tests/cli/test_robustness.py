@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import FP4SENSE, SMALL, make_tiny_llama
+from helpers import one_line
 
 OPTIMUM_CLI = str(Path(sys.executable).parent / "optimum-cli")
 
@@ -29,12 +30,7 @@ def _run(*args, cwd=None, env=None, exe=FP4SENSE) -> subprocess.CompletedProcess
 
 def _one_line(proc: subprocess.CompletedProcess, code: int, *culprits: str) -> None:
     """Exit ``code``, no traceback, and the error line names every culprit."""
-    assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    errors = [ln for ln in proc.stderr.splitlines() if "error" in ln]
-    assert len(errors) == 1, proc.stderr[-2000:]
-    for culprit in culprits:
-        assert culprit in errors[0], (culprit, errors[0])
+    one_line(proc, code, *culprits)
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
