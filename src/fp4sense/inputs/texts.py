@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from fp4sense import defaults
+from fp4sense.inputs.assets import ensure_text
 from fp4sense.validate import UserError
 
 __all__ = [
@@ -66,7 +67,6 @@ def read_text(source: str | os.PathLike | None = None, split: str = "calibration
     """The first ``chars`` characters of the text :func:`load_text` reads (all of it
     when None), and whether that is the whole text. A file is read no further."""
     if source is None:
-        from fp4sense.inputs.assets import ensure_text
 
         source = ensure_text()[split]
     text_source = str(source)
@@ -225,6 +225,8 @@ def _stream_tokens(tokenizer, source, split: str, needed: int) -> tuple[list[int
     them when the text is shorter), from a prefix doubled until it holds enough; and the
     prefix they were read from."""
     chars = needed * _CHARS_PER_TOKEN + 4096
+    if source is None:  # the bundled split, fetched and checked once, not per prefix
+        source = ensure_text()[split]
     while True:
         text, whole = read_text(source, split, chars)
         if not whole:
