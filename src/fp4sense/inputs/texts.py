@@ -67,7 +67,6 @@ def read_text(source: str | os.PathLike | None = None, split: str = "calibration
     """The first ``chars`` characters of the text :func:`load_text` reads (all of it
     when None), and whether that is the whole text. A file is read no further."""
     if source is None:
-
         source = ensure_text()[split]
     text_source = str(source)
     if text_source.startswith("dataset:"):
