@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
                   == (folders["float32-given"] / "model.safetensors").read_bytes())
     judged = [r for r in rows if r["run"] != "float32-given"]
     for row in judged:
-        e = evaluate_checkpoint(folders[row["run"]], base=None, n_windows=16,
+        e = evaluate_checkpoint(folders[row["run"]], base=None, eval_windows=16,
                                 progress=False, log=lambda m: None)
         row.update({k: e[k] for k in ("effective_bits", "kl", "kl_se", "ppl", "top1")})
     plans = [json.loads((folders[r["run"]] / "plan.json").read_text())["choices"]

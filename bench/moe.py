@@ -46,7 +46,7 @@ def analysis_child(folder: str, windows: int, out: str) -> None:
 
     t = time.perf_counter()
     analyze_model(folder, schemes=["NVFP4", "FP8_DYNAMIC"], views=["grid", "experts"],
-                  modes=["estimated"], n_windows=windows, out_dir=out, cache=False,
+                  modes=["estimated"], analysis_windows=windows, out_dir=out, cache=False,
                   plots=True, progress=False, log=lambda msg: None)
     print(json.dumps({"wall_s": round(time.perf_counter() - t, 1),
                       "peak_rss_gib": round(peak_rss_gib(), 2)}))

@@ -202,11 +202,11 @@ def checkpoint_check(model, tok, calib, evaluate, est, args) -> dict:
         plain_s = plain_oneshot(calib, tok)
         t = time.perf_counter()
         quantize_model(None, out_dir=Path(tmp) / "planned", budget_bits=4.75,
-                       calib_windows=len(calib), estimate_windows=len(calib),
+                       calib_windows=len(calib), analysis_windows=len(calib),
                        evaluate=False, progress=False, log=lambda m: None)
         ours_s = time.perf_counter() - t
         disk = evaluate_checkpoint(Path(tmp) / "planned", base=str(source),
-                                   n_windows=args.eval_windows, progress=False)
+                                   eval_windows=args.eval_windows, progress=False)
         plan = Plan.load(Path(tmp) / "planned" / "plan.json")
         memory = evaluate("checkpoint plan in memory|4.75",
                           {c.unit: c.scheme for c in plan.choices})

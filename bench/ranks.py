@@ -25,7 +25,7 @@ from bench.harness import RESULTS, command
 
 FP4SENSE = str(Path(sys.executable).parent / "fp4sense")
 ARGS = ["analyze", "--mode", "estimated", "--views", "grid", "--schemes", "NVFP4,MXFP4",
-        "--windows", "8", "--no-cache", "--no-plots", "--json"]
+        "--analysis-windows", "8", "--no-cache", "--no-plots", "--json"]
 
 
 def _port() -> int:

@@ -94,7 +94,7 @@ def uniform_row(scheme: str, gptq: bool, work: Path) -> dict:
     quantizer()(str(source), calib, work, plan="plan.json", gptq=gptq)
     oneshot_s = time.perf_counter() - t
     tok.save_pretrained(work)
-    e = evaluate_checkpoint(work, base=source, n_windows=16, progress=False, log=log)
+    e = evaluate_checkpoint(work, base=source, eval_windows=16, progress=False, log=log)
     bits = effective_bits(work)
     return {"scheme": scheme, "gptq": gptq, "oneshot_s": round(oneshot_s, 1),
             "units": len(plan.choices), "units_left_bf16": sum(

@@ -22,24 +22,24 @@ TEXT_ARG=(${TEXT:+--text "$TEXT"})
 #    MXFP4, plus the one-pass estimate of the whole unit x scheme grid
 "$FP4SENSE" analyze "${MODEL_ARG[@]}" "${TEXT_ARG[@]}" --schemes NVFP4,MXFP4 \
   --views component,block,grid --mode both --grid-blocks "" \
-  --windows "$WINDOWS" --tokens "$TOKENS" --out "$OUT/analysis"
+  --analysis-windows "$WINDOWS" --tokens "$TOKENS" --out "$OUT/analysis"
 echo "report: $OUT/analysis/report.md"
 
 # 2. plan at the budget over the menu {NVFP4, FP8_DYNAMIC, BF16} (the sensitivities of
 #    that menu are estimated on the calibration windows; --sensitivity takes a saved
 #    report instead), quantize with llm-compressor, evaluate for the model card
 "$FP4SENSE" quantize "${MODEL_ARG[@]}" "${TEXT_ARG[@]}" --budget "$BUDGET" \
-  --menu NVFP4,FP8_DYNAMIC,BF16 --calib-windows "$WINDOWS" --windows "$WINDOWS" \
+  --menu NVFP4,FP8_DYNAMIC,BF16 --calib-windows "$WINDOWS" --analysis-windows "$WINDOWS" \
   --tokens "$TOKENS" --eval-windows "$WINDOWS" --out "$OUT/checkpoint" --overwrite
 
 # 3. the checkpoint on its own: quality against the base model, bits read from the file
-"$FP4SENSE" eval "$OUT/checkpoint" "${TEXT_ARG[@]}" --windows "$WINDOWS" --tokens "$TOKENS" \
+"$FP4SENSE" eval "$OUT/checkpoint" "${TEXT_ARG[@]}" --eval-windows "$WINDOWS" --tokens "$TOKENS" \
   --json > "$OUT/eval.json"
 echo "eval: $OUT/eval.json"
 
 # 4. does vLLM load it and compute what transformers computes?
 if [ "${VLLM:-1}" != 0 ]; then
-  "$FP4SENSE" verify-vllm "$OUT/checkpoint" "${TEXT_ARG[@]}" --windows 1 \
+  "$FP4SENSE" verify-vllm "$OUT/checkpoint" "${TEXT_ARG[@]}" --eval-windows 1 \
     --tokens "$(( TOKENS < 512 ? TOKENS : 512 ))"
 fi
 

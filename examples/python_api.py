@@ -30,7 +30,7 @@ def main() -> None:
     # 1. diagnose: the estimated unit x scheme grid (one Fisher pass) for both FP4 formats
     #    and FP8, the menu's fallback
     report = analyze_model(args.model, text=args.text, schemes=["NVFP4", "MXFP4", "FP8_DYNAMIC"],
-                           views=["grid"], modes=["estimated"], n_windows=args.windows,
+                           views=["grid"], modes=["estimated"], analysis_windows=args.windows,
                            window_tokens=args.tokens, out_dir=args.out / "analysis")
     for line in findings(report)[:3]:
         print("-", line.replace("**", ""))
@@ -45,7 +45,7 @@ def main() -> None:
 
     # 4. evaluate the checkpoint as written (effective bits read from the file)
     e = evaluate_checkpoint(result["out"], base=args.model, text=args.text,
-                            n_windows=args.windows, window_tokens=args.tokens)
+                            eval_windows=args.windows, window_tokens=args.tokens)
     print(f"KL {e['kl']:.4f} ± {e['kl_se']:.4f}, PPL {e['ppl']:.2f} (base "
           f"{e['base_ppl']:.2f}), {e['effective_bits']:.3f} bits per weight")
 

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     report = analyze_model(args.model, schemes=["NVFP4", "MXFP4"],
                            views=["component", "block", "grid"],
                            modes=["measured", "estimated"], grid_blocks=[],
-                           n_windows=args.analysis_windows, out_dir=args.out / "analysis")
+                           analysis_windows=args.analysis_windows, out_dir=args.out / "analysis")
     times["analyze"] = time.perf_counter() - t
 
     print(f"== 2/4 quantize at {args.budget} bits (menu NVFP4 + searched twin, FP8_DYNAMIC, "

@@ -97,7 +97,7 @@ def _formats(dev: str, out: Path, results: dict) -> None:
 
     rep = _step(f"analyze {dev} every format", dev, lambda: analyze_model(
         device=dev, dtype="float32", schemes=FORMATS, views=["component"],
-        modes=["measured", "estimated"], n_windows=2, cache=False, plots=False,
+        modes=["measured", "estimated"], analysis_windows=2, cache=False, plots=False,
         progress=False), results)
     if rep is not None:
         kls = [e.kl for e in rep.entries]
@@ -139,7 +139,7 @@ def _moe(dev: str, out: Path, results: dict) -> None:
             runs[mode, d] = _step(f"analyze MoE {mode} {d} float32", d, lambda d=d, m=mode, v=views:
                                   analyze_model(model, device=d, dtype="float32",
                                                 schemes=["NVFP4"], views=v, modes=[m],
-                                                n_windows=4, cache=False, plots=False,
+                                                analysis_windows=4, cache=False, plots=False,
                                                 progress=False), results)
     if None not in (runs["measured", "cpu"], runs["measured", dev]):
         c = _table(runs["measured", "cpu"], "component", "measured")
@@ -211,7 +211,7 @@ def main() -> int:
 
 def _protocol(dev: str, windows: int, results: dict) -> None:
     common = dict(schemes=["NVFP4"], views=["component", "grid"],
-                  modes=["measured", "estimated"], n_windows=windows, cache=False,
+                  modes=["measured", "estimated"], analysis_windows=windows, cache=False,
                   plots=False, progress=False, grid_blocks=[])
     cpu = _step("analyze cpu float32", "cpu",
                 lambda: analyze_model(device="cpu", **common), results)

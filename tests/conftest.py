@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 SERVE_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 FP4SENSE = str(Path(sys.executable).parent / "fp4sense")
 # a quick `fp4sense quantize` of the tiny model
-SMALL = ["--calib-windows", "4", "--windows", "2", "--tokens", "64", "--eval-windows", "2"]
+SMALL = ["--calib-windows", "4", "--analysis-windows", "2", "--tokens", "64", "--eval-windows", "2"]
 
 
 @pytest.fixture(scope="session")

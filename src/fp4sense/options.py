@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import numbers
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,7 @@ class Option:
     append: bool = False  # repeatable
     flag_default: object = None  # the flag's default where it is not the function's
     convert: Callable[[object], object] | None = None  # flag value -> keyword value
+    renamed_from: str | None = None  # the flag's name before 0.6.0, still taken (a warning)
 
     @property
     def shown(self) -> object:
@@ -86,6 +88,10 @@ class Option:
             parser.add_argument(self.flag, dest=self.keyword, help=help_,
                                 action="store_false" if self.default else "store_true")
             return
+        if self.renamed_from is not None:
+            parser.add_argument(self.renamed_from, dest=self.keyword, type=self.parse,
+                                help=argparse.SUPPRESS, action=_Renamed, new=self.flag,
+                                default=argparse.SUPPRESS)
         metavar = self.metavar or (None if self.choices else
                                    self.flag.lstrip("-").upper().replace("-", "_"))
         kw = dict(dest=self.keyword, help=help_, type=self.parse, metavar=metavar,
@@ -120,6 +126,19 @@ class Option:
             raise InputError(f"{function}({self.keyword}={value!r}): {said}") from None
 
 
+class _Renamed(argparse.Action):
+    """A flag's name before 0.6.0: its value lands in the new keyword, with one warning."""
+
+    def __init__(self, *args, new: str, **kw):
+        super().__init__(*args, **kw)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"warning: {option_string} is now {self.new} (the old name goes in 0.7.0)",
+              file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def pins_of(values: Sequence[str] | None) -> dict[str, str] | None:
     """``--pin UNIT_OR_REGEX=SCHEME`` values -> {pattern: scheme}, each regex compiled;
     None without any (the function's default)."""
@@ -139,9 +158,13 @@ def pins_of(values: Sequence[str] | None) -> dict[str, str] | None:
     return pins or None
 
 
-def windows(default: int, what: str, keyword: str = "n_windows") -> list[Option]:
-    """``--windows N --tokens T --raw-windows``: the same words on every command."""
-    return [Option(keyword, "--windows", default, what, positive_int),
+def windows(keyword: str, default: int, what: str, renamed: bool = True) -> list[Option]:
+    """``--KIND-windows N --tokens T --raw-windows``: the same words on every command. One
+    name for each kind of window: ``analysis_windows`` (the sensitivity analysis),
+    ``calib_windows`` (quantize's oneshot), ``eval_windows`` (scores); ``renamed``: the
+    command called it ``--windows`` before 0.6.0."""
+    return [Option(keyword, "--" + keyword.replace("_", "-"), default, what, positive_int,
+                   renamed_from="--windows" if renamed else None),
             Option("window_tokens", "--tokens", defaults.WINDOW_TOKENS, "tokens per window "
                    "(at least 2: a window predicts its tokens from the ones before; at most "
                    "the model's context)", TOKENS_PER_WINDOW),
@@ -172,7 +195,8 @@ ANALYZE: tuple[Option, ...] = (
            convert=lambda m: ("measured", "estimated") if m == "both" else (m,)),
     Option("grid_blocks", "--grid-blocks", None, "measure the grid only for these blocks "
            "(comma-separated; '' for none, the estimate alone; default: all)", block_list),
-    *windows(defaults.ANALYSIS_WINDOWS, "analysis windows"),
+    *windows("analysis_windows", defaults.ANALYSIS_WINDOWS, "analysis windows (the first "
+             "calibration ones)"),
     Option("out_dir", "--out", None, "output folder (sensitivity.json, report.md, plots)",
            Path, flag_default=Path("fp4sense-analysis")),
     Option("cache", "--no-cache", True, "neither read nor write the cache", switch=True),
@@ -215,8 +239,8 @@ QUANTIZE: tuple[Option, ...] = (
            "cache folder)", metavar="ORG/NAME"),
     Option("calib_windows", "--calib-windows", defaults.CALIB_WINDOWS, "calibration windows",
            positive_int),
-    *windows(defaults.ANALYSIS_WINDOWS, "windows for the sensitivity estimate (the first "
-              "calibration ones)", keyword="estimate_windows"),
+    *windows("analysis_windows", defaults.ANALYSIS_WINDOWS, "analysis windows for the "
+             "sensitivity estimate (the first calibration ones)"),
     Option("eval_windows", "--eval-windows", defaults.EVAL_WINDOWS, "evaluation windows for "
            "the model card's figures", positive_int),
     Option("evaluate", "--no-eval", True, "skip the evaluation for the card", switch=True),
@@ -228,7 +252,7 @@ QUANTIZE: tuple[Option, ...] = (
 
 EVAL: tuple[Option, ...] = (
     Option("base", "--base", None, "unquantized model (default: as recorded)"),
-    *windows(defaults.EVAL_WINDOWS, "evaluation windows"),
+    *windows("eval_windows", defaults.EVAL_WINDOWS, "evaluation windows"),
     Option("as_served", "--as-served", False, "compute MXFP4A16 layers as W4A4, as vLLM "
            "serves them", switch=True),
     *_PLACEMENT,
@@ -241,7 +265,7 @@ MAX_VLLM_TIMEOUT = 86400.0
 VLLM_TIMEOUT = bounded_float(MAX_VLLM_TIMEOUT, "a vLLM run that long is hung; give seconds")
 
 VERIFY_VLLM: tuple[Option, ...] = (
-    *windows(2, "evaluation windows to score; tokens <= 512"),
+    *windows("eval_windows", 2, "evaluation windows to score; tokens <= 512"),
     Option("prompt", "--prompt", defaults.VLLM_PROMPT, "the prompt vLLM and transformers "
            "both continue greedily"),
     Option("serve_python", "--serve-python", None, "python of the vLLM environment"),

@@ -8,15 +8,17 @@ the fix. Nothing is computed when the output cannot be written.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import re
+import warnings
 from pathlib import Path
 
 __all__ = ["EXIT_ASSET_ERROR", "EXIT_HUB_ERROR", "EXIT_USER_ERROR", "InputError", "UserError",
            "block_list", "bounded_float", "bounded_int", "device_name", "non_empty",
            "non_negative_int", "positive_float", "positive_int", "non_negative_float",
-           "read_json", "register_unique", "RegistryError", "set_aside"]
+           "read_json", "register_unique", "RegistryError", "renamed_keywords", "set_aside"]
 
 
 #: exit codes of the errors users can fix (2 is argparse's usage error)
@@ -164,6 +166,25 @@ def register_unique(table: dict, name: str, value, registrant, what: str) -> Non
                             "new one another name")
     table[name] = value
     _REGISTRANTS[key] = who
+
+
+def renamed_keywords(**old_to_new: str):
+    """A decorator: the function still takes each keyword under its name before 0.6.0,
+    with a FutureWarning naming the new one (the old names go in 0.7.0)."""
+    def wrap(function):
+        @functools.wraps(function)
+        def call(*args, **kwargs):
+            for old, new in old_to_new.items():
+                if old in kwargs:
+                    if new in kwargs:
+                        raise InputError(f"{function.__name__}: give {new}= only ({old}= is "
+                                         "its name before 0.6.0)")
+                    warnings.warn(f"{function.__name__}({old}=) is now {new}= (the old name "
+                                  "goes in 0.7.0)", FutureWarning, stacklevel=2)
+                    kwargs[new] = kwargs.pop(old)
+            return function(*args, **kwargs)
+        return call
+    return wrap
 
 
 def read_json(path: Path, what: str, fix: str):

@@ -305,7 +305,7 @@ def test_the_python_api_bounds_the_same_numbers(keyword, value, tmp_path):
 
 def test_tokens_beyond_the_models_context(tiny_llama, text_file):
     proc = _run("analyze", tiny_llama, "--text", text_file, "--tokens", "4096",
-                "--windows", "1", "--no-cache", "--out", tiny_llama.parent / "never")
+                "--analysis-windows", "1", "--no-cache", "--out", tiny_llama.parent / "never")
     one_line(proc, 1, "--tokens 4096", "context of 1024")
     assert not (tiny_llama.parent / "never").exists()
 
@@ -320,14 +320,14 @@ def test_an_inf_weight_with_low_memory_isone_line(tmp_path, text_file, tiny_llam
     state["model.layers.1.mlp.down_proj.weight"][0, 0] = float("inf")
     save_file(state, model / "model.safetensors", metadata={"format": "pt"})
     proc = _run("analyze", model, "--text", text_file, "--low-memory", "--mode", "estimated",
-                "--views", "grid", "--schemes", "NVFP4", "--windows", "1", "--tokens", "32",
-                "--no-cache", "--no-plots", "--out", tmp_path / "a")
+                "--views", "grid", "--schemes", "NVFP4", "--analysis-windows", "1", "--tokens",
+                "32", "--no-cache", "--no-plots", "--out", tmp_path / "a")
     one_line(proc, 1, "model.layers.1.mlp.down_proj", "NaN/Inf")
 
 
 def test_a_damaged_cache_entry_is_named_and_computed_again(tiny_llama, text_file, tmp_path):
     env = {"FP4SENSE_CACHE": str(tmp_path / "cache")}
-    args = ("analyze", tiny_llama, "--text", text_file, "--windows", "1", "--tokens", "32",
+    args = ("analyze", tiny_llama, "--text", text_file, "--analysis-windows", "1", "--tokens", "32",
             "--schemes", "NVFP4", "--views", "component", "--no-plots", "--json")
     first = _run(*args, "--out", tmp_path / "a1", env=env)
     assert first.returncode == 0, first.stderr[-2000:]
@@ -350,7 +350,7 @@ def test_a_damaged_cache_entry_is_named_and_computed_again(tiny_llama, text_file
 def test_eval_of_a_truncated_plan_names_it(checkpoint, text_file):
     plan = checkpoint / "plan.json"
     plan.write_text(plan.read_text()[:100])
-    proc = _run("eval", checkpoint, "--text", text_file, "--windows", "1", "--tokens", "32")
+    proc = _run("eval", checkpoint, "--text", text_file, "--eval-windows", "1", "--tokens", "32")
     one_line(proc, 1, str(plan), "cannot be read")
 
 
@@ -471,7 +471,7 @@ def test_an_empty_text_is_called_empty(tiny_llama, tmp_path, source):
     path = Path(source) if source.startswith("/") else tmp_path / "empty.txt"
     if not path.exists():
         path.write_text("\n\n")
-    proc = _run("analyze", tiny_llama, "--text", path, "--windows", "1", "--tokens", "32",
+    proc = _run("analyze", tiny_llama, "--text", path, "--analysis-windows", "1", "--tokens", "32",
                 "--no-cache", "--out", tmp_path / "a")
     one_line(proc, 1, str(path), "is empty")
 
@@ -485,13 +485,15 @@ def test_an_analysis_beside_a_users_file_never_lets_overwrite_take_it(tiny_llama
     shared = tmp_path / "work"
     shared.mkdir()
     (shared / "notes.txt").write_text("mine")
-    proc = _run("analyze", tiny_llama, "--text", text_file, "--windows", "1", "--tokens", "32",
-                "--schemes", "NVFP4", "--views", "component", "--no-plots", "--no-cache",
+    proc = _run("analyze", tiny_llama, "--text", text_file, "--analysis-windows", "1",
+                "--tokens", "32", "--schemes", "NVFP4", "--views", "component", "--no-plots",
+                "--no-cache",
                 "--out", shared, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (shared / "sensitivity.json").is_file()
-    proc = _run("analyze", tiny_llama, "--text", text_file, "--windows", "1", "--tokens", "32",
-                "--schemes", "NVFP4", "--views", "component", "--no-plots", "--no-cache",
+    proc = _run("analyze", tiny_llama, "--text", text_file, "--analysis-windows", "1",
+                "--tokens", "32", "--schemes", "NVFP4", "--views", "component", "--no-plots",
+                "--no-cache",
                 "--out", shared, env=env)  # a rerun into the folder it wrote
     assert proc.returncode == 0, proc.stderr[-2000:]
     proc = _run("quantize", tiny_llama, "--budget", "5", "--out", shared, "--overwrite",

@@ -124,7 +124,15 @@ def test_flags_are_consistent_across_commands():
     for name in COMMANDS:  # every command can print for scripts
         assert "--json" in _flags(name), name
     for name in ("analyze", "quantize", "eval", "verify-vllm"):  # text in, same words
-        assert {"--text", "--dataset", "--windows", "--tokens"} <= _flags(name), name
+        assert {"--text", "--dataset", "--tokens", "--raw-windows"} <= _flags(name), name
+    # one name for each kind of window, whichever command takes it
+    kinds = {"analyze": {"--analysis-windows"}, "eval": {"--eval-windows"},
+             "verify-vllm": {"--eval-windows"},
+             "quantize": {"--calib-windows", "--analysis-windows", "--eval-windows",
+                          "--distill-windows"}}
+    for name, flags in kinds.items():
+        assert {f for f in _flags(name) if f[2:].endswith("-windows") and f != "--raw-windows"} \
+            == flags, name
     for name in ("convert-gguf", "quantize"):  # writes a folder: refuses, unless told
         assert {"--out", "--overwrite"} <= _flags(name), name
 
@@ -164,7 +172,7 @@ def test_interrupt_exits_with_one_line(tiny_llama, text_file, tmp_path, sig, cod
 
     # long enough (8 windows x 256 tokens) that the interrupt lands while it measures
     proc = subprocess.Popen([FP4SENSE, "analyze", str(tiny_llama), "--text", str(text_file),
-                             "--tokens", "256", "--windows", "8", "--no-cache", "--views",
+                             "--tokens", "256", "--analysis-windows", "8", "--no-cache", "--views",
                              "component,block,grid", "--out", str(tmp_path / "a")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             # as at a terminal: a shell's background job (CI launched with

@@ -42,7 +42,7 @@ def test_same_flags_as_fp4sense():
 
 @pytest.mark.slow
 def test_eval_gives_the_same_numbers(quantized, text_file):
-    args = ["eval", quantized, "--text", text_file, "--windows", "2", "--tokens", "64",
+    args = ["eval", quantized, "--text", text_file, "--eval-windows", "2", "--tokens", "64",
             "--json"]
     theirs = _optimum(*args)
     assert theirs.returncode == 0, theirs.stderr[-2000:]
@@ -53,7 +53,7 @@ def test_eval_gives_the_same_numbers(quantized, text_file):
 @pytest.mark.slow
 def test_analyze_writes_a_report(tiny_llama, text_file, tmp_path):
     proc = _optimum("analyze", tiny_llama, "--text", text_file, "--mode", "estimated",
-                    "--views", "grid", "--windows", "1", "--tokens", "64", "--no-cache",
+                    "--views", "grid", "--analysis-windows", "1", "--tokens", "64", "--no-cache",
                     "--out", tmp_path / "report")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "report" / "report.md").is_file()

@@ -137,7 +137,7 @@ def test_a_quantize_result_reads_as_its_json():
 MODIFIER_FIELDS = {"budget_bits": "budget_bits", "budget_bytes": "budget_bytes",
                    "kl_target": "kl_target", "menu": "menu", "sensitivity": "sensitivity",
                    "sensitivity_mode": "sensitivity_mode", "pins": "pins",
-                   "estimate_windows": "analysis_windows", "scale_search": "scale_search"}
+                   "analysis_windows": "analysis_windows", "scale_search": "scale_search"}
 
 
 def test_the_yaml_plan_modifier_takes_quantizes_defaults():
@@ -206,18 +206,18 @@ def test_window_defaults_are_the_definitions_everywhere():
     from fp4sense.cli.commands import build_parser
 
     q = _signature_defaults(quantize_model)
-    assert (q["menu"], q["calib_windows"], q["estimate_windows"], q["eval_windows"],
+    assert (q["menu"], q["calib_windows"], q["analysis_windows"], q["eval_windows"],
             q["window_tokens"]) == (defaults.MENU, defaults.CALIB_WINDOWS,
                                     defaults.ANALYSIS_WINDOWS, defaults.EVAL_WINDOWS,
                                     defaults.WINDOW_TOKENS)
     a, e = _signature_defaults(analyze_model), _signature_defaults(evaluate_checkpoint)
-    assert (a["n_windows"], a["window_tokens"]) == (defaults.ANALYSIS_WINDOWS,
+    assert (a["analysis_windows"], a["window_tokens"]) == (defaults.ANALYSIS_WINDOWS,
                                                     defaults.WINDOW_TOKENS)
-    assert (e["n_windows"], e["window_tokens"]) == (defaults.EVAL_WINDOWS,
+    assert (e["eval_windows"], e["window_tokens"]) == (defaults.EVAL_WINDOWS,
                                                     defaults.WINDOW_TOKENS)
     parser = build_parser()
     args = parser.parse_args(["quantize", "--budget", "5", "--out", "x"])
-    assert (args.menu, args.calib_windows, args.estimate_windows, args.eval_windows,
+    assert (args.menu, args.calib_windows, args.analysis_windows, args.eval_windows,
             args.window_tokens) == (
         ",".join(defaults.MENU), defaults.CALIB_WINDOWS, defaults.ANALYSIS_WINDOWS,
         defaults.EVAL_WINDOWS, defaults.WINDOW_TOKENS)
@@ -275,8 +275,8 @@ def test_the_flags_are_generated_from_the_table(command, table):
 @pytest.mark.parametrize("function,keyword,bad", [
     ("quantize_model", "calib_windows", 0), ("quantize_model", "budget_bits", -1.0),
     ("quantize_model", "select_plans", 1.5), ("quantize_model", "eval_windows", "8"),
-    ("analyze_model", "n_windows", 0), ("analyze_model", "window_tokens", True),
-    ("evaluate_checkpoint", "n_windows", -2)])
+    ("analyze_model", "analysis_windows", 0), ("analyze_model", "window_tokens", True),
+    ("evaluate_checkpoint", "eval_windows", -2)])
 def test_the_functions_refuse_what_the_flags_refuse(function, keyword, bad, tmp_path):
     """A keyword out of range is one InputError naming it, before anything is read or
     written (the flags' parser checks it; the same check runs on the function's value)."""
@@ -337,10 +337,42 @@ def test_verify_push_and_convert_take_their_flags_from_the_option_table(table, f
     module, name = function.split(":")
     params = inspect.signature(getattr(importlib.import_module(module), name)).parameters
     passed = [o for o in getattr(options, table)
-              if o.keyword not in ("n_windows", "window_tokens", "raw_windows", "max_abs",
+              if o.keyword not in ("eval_windows", "window_tokens", "raw_windows", "max_abs",
                                    "mean_abs", "ppl_rel")]  # windows and tolerance: built first
     for option in passed:
         assert option.keyword in params, (table, option.keyword)
         default = params[option.keyword].default
         if default is not inspect.Parameter.empty:
             assert option.default == default, (table, option.keyword)
+
+
+def test_window_names_before_0_6_0_still_work_with_one_warning(capsys):
+    """One name per kind of window (analysis_windows, calib_windows, eval_windows); the
+    names before 0.6.0 (--windows, n_windows=, estimate_windows=) are still taken, with a
+    warning naming the new one, until 0.7.0."""
+    from fp4sense.api import analyze_model, evaluate_checkpoint, quantize_model
+    from fp4sense.cli.commands import build_parser
+    from fp4sense.validate import InputError
+
+    parser = build_parser()
+    for command, keyword in (("analyze", "analysis_windows"), ("eval", "eval_windows"),
+                             ("verify-vllm", "eval_windows")):
+        given = [command] + (["ckpt"] if command != "analyze" else [])
+        args = parser.parse_args([*given, "--windows", "3"])
+        assert getattr(args, keyword) == 3
+        flag = "--" + keyword.replace("_", "-")
+        assert f"--windows is now {flag}" in capsys.readouterr().err
+        args = parser.parse_args(given)  # untouched without it, and silent
+        assert getattr(args, keyword) != 3 and capsys.readouterr().err == ""
+    args = parser.parse_args(["quantize", "--budget", "5", "--out", "x", "--windows", "3"])
+    assert args.analysis_windows == 3 and args.eval_windows != 3
+    for function, old, new in ((analyze_model, "n_windows", "analysis_windows"),
+                               (evaluate_checkpoint, "n_windows", "eval_windows"),
+                               (quantize_model, "estimate_windows", "analysis_windows")):
+        extra = {"out_dir": "x", "budget_bits": 5} if function is quantize_model else {}
+        target = ("ckpt",) if function is evaluate_checkpoint else ()
+        with pytest.warns(FutureWarning, match=f"{old}=\\) is now {new}="), \
+                pytest.raises(InputError, match=f"{new}=0"):  # the value checked as the new
+            function(*target, **{old: 0}, **extra)
+        with pytest.raises(InputError, match=f"give {new}= only"):
+            function(*target, **{old: 1, new: 1}, **extra)

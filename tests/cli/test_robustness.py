@@ -40,14 +40,15 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
 
 # --- flags: typed and ranged by the parser (exit 2, the flag named) ----------------------
 @pytest.mark.parametrize("args, flag", [
-    (["analyze", "--windows", "0"], "--windows"),
-    (["analyze", "--windows", "-3"], "--windows"),
+    (["analyze", "--analysis-windows", "0"], "--analysis-windows"),
+    (["analyze", "--analysis-windows", "-3"], "--analysis-windows"),
+    (["analyze", "--windows", "0"], "--windows"),  # the name before 0.6.0, typed the same
     (["analyze", "--tokens", "0"], "--tokens"),
     (["analyze", "--grid-blocks", "a"], "--grid-blocks"),
     (["analyze", "--schemes", ""], "--schemes"),
     (["analyze", "--views", " "], "--views"),
     (["analyze", "--dataset", ""], "--dataset"),
-    (["eval", "ckpt", "--windows", "0"], "--windows"),
+    (["eval", "ckpt", "--eval-windows", "0"], "--eval-windows"),
     (["quantize", "--budget", "5", "--out", "q", "--calib-windows", "0"], "--calib-windows"),
     (["quantize", "--budget", "5", "--out", "q", "--eval-windows", "-1"], "--eval-windows"),
     (["quantize", "--budget", "nan", "--out", "q"], "--budget"),
@@ -67,8 +68,8 @@ def test_bad_flag_values_are_usage_errors(args, flag, tmp_path):
 
 
 def test_optimum_cli_types_its_flags_the_same_way(tmp_path):
-    proc = _run("fp4sense", "analyze", "--windows", "0", cwd=tmp_path, exe=OPTIMUM_CLI)
-    assert proc.returncode == 2 and "argument --windows" in proc.stderr
+    proc = _run("fp4sense", "analyze", "--analysis-windows", "0", cwd=tmp_path, exe=OPTIMUM_CLI)
+    assert proc.returncode == 2 and "argument --analysis-windows" in proc.stderr
 
 
 def test_python_api_refuses_zero_windows(tiny_llama, text_file):
@@ -116,7 +117,7 @@ def test_out_is_an_existing_file(tiny_llama, text_file, tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     for command in (["quantize", tiny_llama, "--budget", "5"], ["analyze", tiny_llama]):
         proc = _run(*command, "--out", tmp_path / "notes.txt", "--text", text_file,
-                    "--windows", "1", "--tokens", "32")
+                    "--analysis-windows", "1", "--tokens", "32")
         _one_line(proc, 1, "notes.txt", "existing file")
     assert (tmp_path / "notes.txt").read_text() == "mine" and len(list(tmp_path.iterdir())) == 1
 
@@ -131,7 +132,8 @@ def test_out_under_a_file(tiny_llama, text_file, tmp_path):
 def test_unwritable_cache_is_named_before_any_work(tiny_llama, text_file, tmp_path):
     (tmp_path / "file").write_text("x")
     proc = _run("analyze", tiny_llama, "--out", tmp_path / "a", "--text", text_file,
-                "--windows", "1", "--tokens", "32", env={"FP4SENSE_CACHE": str(tmp_path / "file")})
+                "--analysis-windows", "1", "--tokens", "32",
+                env={"FP4SENSE_CACHE": str(tmp_path / "file")})
     _one_line(proc, 1, "analysis cache", "--no-cache")
     assert not (tmp_path / "a").exists()
 
@@ -231,7 +233,7 @@ def _with_nan(src: Path, dst: Path) -> Path:
 def test_nan_weights_name_the_module(command, tiny_llama, text_file, tmp_path):
     model = _with_nan(tiny_llama, tmp_path / "nan-model")
     proc = _run(command[0], model, *command[1:], "--out", tmp_path / "out", "--text",
-                text_file, "--windows", "1", "--tokens", "32", "--no-cache"
+                text_file, "--analysis-windows", "1", "--tokens", "32", "--no-cache"
                 if command[0] == "analyze" else "--no-eval")
     _one_line(proc, 1, "model.layers.1.mlp.down_proj", "NaN")
     assert not (tmp_path / "out").exists()
@@ -242,8 +244,8 @@ def test_truncated_weights_name_the_model(tiny_llama, text_file, tmp_path):
     shutil.copytree(tiny_llama, model)
     data = (model / "model.safetensors").read_bytes()
     (model / "model.safetensors").write_bytes(data[: len(data) // 2])
-    proc = _run("analyze", model, "--out", tmp_path / "a", "--text", text_file, "--windows",
-                "1", "--tokens", "32")
+    proc = _run("analyze", model, "--out", tmp_path / "a", "--text", text_file,
+                "--analysis-windows", "1", "--tokens", "32")
     _one_line(proc, 1, str(model), "could not load")
     assert not (tmp_path / "a").exists()
 
@@ -263,7 +265,7 @@ def test_an_encoder_is_not_analyzed_as_a_causal_lm(tmp_path, text_file, assets):
         tmp_path / "bert")
     AutoTokenizer.from_pretrained(assets["model"]).save_pretrained(tmp_path / "bert")
     proc = _run("analyze", tmp_path / "bert", "--out", tmp_path / "a", "--text", text_file,
-                "--windows", "1", "--tokens", "32")
+                "--analysis-windows", "1", "--tokens", "32")
     _one_line(proc, 1, "bert", "not a complete causal LM", "initialized at random",
               "cls.predictions")
     assert not (tmp_path / "a").exists()
@@ -292,7 +294,7 @@ def test_offline_dataset_is_one_line(tiny_llama, tmp_path):
 
 def test_grid_blocks_that_do_not_exist(tiny_llama, text_file, tmp_path):
     proc = _run("analyze", tiny_llama, "--views", "grid", "--grid-blocks", "0,7", "--out",
-                tmp_path / "a", "--text", text_file, "--windows", "1", "--tokens", "32",
+                tmp_path / "a", "--text", text_file, "--analysis-windows", "1", "--tokens", "32",
                 "--no-cache")
     _one_line(proc, 1, "grid block(s) 7", "2 decoder blocks")
 
@@ -304,7 +306,7 @@ def test_estimated_mode_with_default_views_writes_its_report(tiny_llama, text_fi
     for exe, prefix in ((FP4SENSE, []), (OPTIMUM_CLI, ["fp4sense"])):
         out = tmp_path / f"a-{Path(exe).name}"
         proc = _run(*prefix, "analyze", tiny_llama, "--mode", "estimated", "--out", out,
-                    "--text", text_file, "--windows", "2", "--tokens", "32", "--no-cache",
+                    "--text", text_file, "--analysis-windows", "2", "--tokens", "32", "--no-cache",
                     exe=exe)
         assert proc.returncode == 0, proc.stderr[-2000:]
         report = (out / "report.md").read_text()
@@ -376,11 +378,11 @@ def test_damaged_checkpoint_is_named_by_eval_push_and_verify(how, quantized, tmp
                                                              text_file):
     folder, culprit = _damaged(quantized, tmp_path / "bad", how)
     before = _snapshot(folder)
-    _one_line(_run("eval", folder, "--text", text_file, "--windows", "1", "--tokens", "32"),
+    _one_line(_run("eval", folder, "--text", text_file, "--eval-windows", "1", "--tokens", "32"),
               1, culprit)
     push = _run("push", folder, "--repo-id", "acme/x", "--dry-run")
     assert push.returncode == 1 and culprit in push.stderr and "Traceback" not in push.stderr
-    _one_line(_run("verify-vllm", folder, "--windows", "1", "--tokens", "32"), 1, culprit)
+    _one_line(_run("verify-vllm", folder, "--eval-windows", "1", "--tokens", "32"), 1, culprit)
     assert _snapshot(folder) == before
 
 
@@ -391,7 +393,7 @@ def test_checkpoint_without_tokenizer(quantized, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (folder / name).unlink()
     for command in ("eval", "verify-vllm"):
-        _one_line(_run(command, folder, "--windows", "1", "--tokens", "32"), 1,
+        _one_line(_run(command, folder, "--eval-windows", "1", "--tokens", "32"), 1,
                   "no tokenizer", "save_pretrained")
 
 
@@ -417,6 +419,6 @@ def test_eval_against_another_architecture(quantized, tmp_path, text_file):
                                     if k not in ("architectures", "transformers_version")})
                      ).save_pretrained(other)
     AutoTokenizer.from_pretrained(quantized).save_pretrained(other)
-    proc = _run("eval", quantized, "--base", other, "--text", text_file, "--windows", "1",
+    proc = _run("eval", quantized, "--base", other, "--text", text_file, "--eval-windows", "1",
                 "--tokens", "32")
     _one_line(proc, 1, "num_hidden_layers 3 vs 2", "--base")

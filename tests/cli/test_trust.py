@@ -301,7 +301,7 @@ def test_eval_against_another_base_says_so(quantized, tiny_llama, text_file, tmp
             shutil.copy(f, other / f.name)
     for base, differs in ((tiny_llama, False), (other, True)):
         proc = subprocess.run([FP4SENSE, "eval", str(quantized), "--base", str(base),
-                               "--text", str(text_file), "--windows", "1", "--tokens", "64",
+                               "--text", str(text_file), "--eval-windows", "1", "--tokens", "64",
                                "--json"], capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-2000:]
         notes = [n for n in json.loads(proc.stdout)["notes"] if "is not the model" in n]

@@ -281,7 +281,7 @@ def test_cli_writes_report_plots_and_json(tiny_llama, tmp_path):
     text.write_text("The state of our union is strong. " * 400)
     out = tmp_path / "analysis"
     proc = _analyze_cli(tiny_llama, "--schemes", "nvfp4,mxfp4", "--views",
-                        "component,block,grid", "--mode", "both", "--windows", "2",
+                        "component,block,grid", "--mode", "both", "--analysis-windows", "2",
                         "--tokens", "64", "--text", text, "--out", out, "--no-cache")
     assert proc.returncode == 0, proc.stderr[-2000:]
     for name in ("sensitivity.json", "report.md", "components.png", "blocks.png", "grid.png"):
@@ -301,7 +301,7 @@ def test_cli_bad_input_is_one_clear_line(tiny_llama, tmp_path):
 
     short = tmp_path / "short.txt"
     short.write_text("Too short.")
-    proc = _analyze_cli(tiny_llama, "--text", short, "--windows", "2", "--tokens", "64",
+    proc = _analyze_cli(tiny_llama, "--text", short, "--analysis-windows", "2", "--tokens", "64",
                         "--out", tmp_path / "o2")
     assert proc.returncode == 1 and "need 128" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr

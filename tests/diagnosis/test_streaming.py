@@ -241,7 +241,7 @@ def test_streamed_memory_is_said_and_refused_when_it_will_not_fit(tmp_path, monk
     monkeypatch.setenv("FP4SENSE_MEMORY_LIMIT", "1000")
     with pytest.raises(ValueError, match=r"^analysis caches \(streamed estimate 0\.00 GiB, "
                        r"quantized weights 0\.00 GiB; 3 windows x 2 blocks\) needs 0\.00 GiB "
-                       r"but 0\.00 GiB are available; lower --windows or --tokens"):
+                       r"but 0\.00 GiB are available; lower --analysis-windows or --tokens"):
         analyze(model, random_windows(), schemes=["NVFP4"], views=["grid"], modes=["estimated"],
                 offload_dir=tmp_path / "off", progress=False, log=lines.append)
     assert lines and lines[0].startswith("analysis caches (streamed estimate")

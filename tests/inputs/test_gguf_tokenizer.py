@@ -107,7 +107,7 @@ def test_a_broken_tokenizer_is_named_before_the_work(vocabularies, tmp_path, tin
     for f in (tmp_path / "broken").iterdir():
         shutil.copy(f, model)
     proc = subprocess.run([FP4SENSE, "analyze", str(model), "--text", str(text_file),
-                           "--windows", "1", "--tokens", "32", "--no-cache", "--no-plots",
+                           "--analysis-windows", "1", "--tokens", "32", "--no-cache", "--no-plots",
                            "--schemes", "NVFP4", "--views", "component",
                            "--out", str(tmp_path / "a")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -68,7 +68,7 @@ def test_every_stage_sees_bos_first(assets, text_file, tmp_path, monkeypatch):
 
     base = make_family_model("gemma3", tmp_path / "gemma3", assets["model"])
     bos = _bos_tokenizer(assets).bos_token_id
-    report = analyze_model(base, text=text_file, n_windows=2, window_tokens=64,
+    report = analyze_model(base, text=text_file, analysis_windows=2, window_tokens=64,
                            schemes=["NVFP4"], views=["grid"], modes=["estimated"],
                            cache=False, progress=False, log=lambda m: None)
     assert report.text["window_prefix"] == [bos]
@@ -82,7 +82,7 @@ def test_every_stage_sees_bos_first(assets, text_file, tmp_path, monkeypatch):
 
     monkeypatch.setattr(run, "oneshot_plan", spy)
     result = quantize_model(base, out_dir=tmp_path / "q", budget_bits=5.5, text=text_file,
-                            calib_windows=4, estimate_windows=2, window_tokens=64,
+                            calib_windows=4, analysis_windows=2, window_tokens=64,
                             eval_windows=2, progress=False, log=lambda m: None)
     assert (seen["calib"][:, 0] == bos).all() and seen["calib"].shape == (4, 64)
     plan = json.loads((tmp_path / "q" / "plan.json").read_text())
@@ -101,7 +101,7 @@ def test_every_stage_sees_bos_first(assets, text_file, tmp_path, monkeypatch):
     parser = commands.build_parser()
     for extra, first in (([], bos), (["--raw-windows"], None)):
         args = parser.parse_args(["verify-vllm", str(tmp_path / "q"), "--text", str(text_file),
-                                  "--windows", "1", "--tokens", "64", *extra])
+                                  "--eval-windows", "1", "--tokens", "64", *extra])
         args.func(args)
         w = captured["windows"][0]
         assert w.shape == (1, 64)
@@ -182,7 +182,7 @@ def test_implausible_figures_get_one_warning():
 def test_eval_warns_when_the_base_is_worse_than_guessing(quantized, text_file):
     """The tiny random Llama predicts worse than uniform: eval says so in one line."""
     proc = subprocess.run([FP4SENSE, "eval", str(quantized), "--text", str(text_file),
-                           *SMALL[2:4], "--tokens", "64"], capture_output=True, text=True)
+                           "--eval-windows", "2", "--tokens", "64"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     base_ppl = float(next(line for line in proc.stdout.splitlines()
                           if line.startswith("perplexity")).split("base ")[1].rstrip(")"))

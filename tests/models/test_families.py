@@ -44,7 +44,7 @@ def served_families(tmp_path_factory, assets, text_file, serve_python) -> dict:
     process, an engine per checkpoint): the exit code, stderr and each family's result."""
     outs = {f: _family_checkpoint(f, tmp_path_factory, assets, text_file)[0]
             for f in sorted(FAMILIES)}
-    proc = subprocess.run([FP4SENSE, "verify-vllm", *map(str, outs.values()), "--windows",
+    proc = subprocess.run([FP4SENSE, "verify-vllm", *map(str, outs.values()), "--eval-windows",
                            "1", "--tokens", "128", "--serve-python", str(serve_python),
                            "--json"], capture_output=True, text=True)
     results = json.loads(proc.stdout) if proc.stdout.strip() else []
@@ -77,7 +77,7 @@ def test_quantize_and_eval(family_checkpoint, text_file):
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         wide = {f.get_slice(k).get_dtype() for k in f.keys() if not k.endswith("global_scale")}
     assert "F32" not in wide, wide
-    proc = subprocess.run([FP4SENSE, "eval", str(out), "--text", str(text_file), "--windows",
+    proc = subprocess.run([FP4SENSE, "eval", str(out), "--text", str(text_file), "--eval-windows",
                            "2", "--tokens", "64", "--json"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     evaluation = json.loads(proc.stdout)

@@ -58,7 +58,7 @@ def served(moe_models, text_file, tmp_path_factory, serve_python) -> dict:
              str(out), *args], capture_output=True, text=True, timeout=900))
     written = [n for n, (_, proc) in made.items() if proc.returncode == 0]
     done = subprocess.run([FP4SENSE, "verify-vllm", *(str(made[n][0]) for n in written),
-                           "--windows", "1", "--tokens", "128", "--serve-python",
+                           "--eval-windows", "1", "--tokens", "128", "--serve-python",
                            str(serve_python), "--json"], capture_output=True, text=True,
                           timeout=1800)
     found = json.loads(done.stdout) if done.stdout.strip() else []
@@ -232,8 +232,8 @@ def test_analyze_reports_experts_coverage_and_left_alone(moe_models, text_file, 
     out = tmp_path / "report"
     done = subprocess.run([FP4SENSE, "analyze", str(moe_models["qwen2_moe"]), "--text",
                            str(text_file), "--schemes", "NVFP4", "--mode", "estimated",
-                           "--views", "component,experts", "--windows", "2", "--tokens", "64",
-                           "--out", str(out), "--no-cache", "--json"],
+                           "--views", "component,experts", "--analysis-windows", "2",
+                           "--tokens", "64", "--out", str(out), "--no-cache", "--json"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout)
@@ -284,7 +284,7 @@ def test_quantize_writes_every_expert_quantized(family, moe_models, text_file, t
     tensors = load_file(str(out / "model.safetensors"))
     del tensors["model.layers.1.mlp.experts.3.down_proj.weight_scale"]
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    done = subprocess.run([FP4SENSE, "eval", str(out), "--windows", "1", "--tokens", "32"],
+    done = subprocess.run([FP4SENSE, "eval", str(out), "--eval-windows", "1", "--tokens", "32"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1].endswith(

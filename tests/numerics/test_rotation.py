@@ -415,7 +415,7 @@ def test_a_rotated_checkpoint_passes_verify_vllm(family, assets, text_file, tmp_
     assert any(m.endswith("o_proj") for m in rotated)
     assert not any(".experts." in m for m in rotated)
     assert any(m.endswith("q_proj") for m in rotated) != biased
-    proc = subprocess.run([FP4SENSE, "verify-vllm", str(out), "--windows", "1", "--tokens",
+    proc = subprocess.run([FP4SENSE, "verify-vllm", str(out), "--eval-windows", "1", "--tokens",
                            "128", "--serve-python", str(serve_python), "--json"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
@@ -444,7 +444,7 @@ def test_an_old_report_does_not_rotate_a_biased_unit(assets, text_file, tmp_path
     report makes rotation the better choice everywhere, the biased q/k/v stay unrotated."""
     base = make_family_model("qwen2", tmp_path / "qwen2", assets["model"])
     proc = subprocess.run([FP4SENSE, "analyze", str(base), "--schemes", "NVFP4,NVFP4_H16",
-                           "--views", "grid", "--mode", "estimated", "--windows", "2",
+                           "--views", "grid", "--mode", "estimated", "--analysis-windows", "2",
                            "--tokens", "64", "--text", str(text_file), "--no-cache",
                            "--no-plots", "--out", str(tmp_path / "analysis")],
                           capture_output=True, text=True)
@@ -479,8 +479,8 @@ def test_the_analysis_says_where_a_rotation_pays(tiny_llama, text_file, tmp_path
     out = tmp_path / "a"
     proc = subprocess.run([FP4SENSE, "analyze", str(tiny_llama), "--schemes",
                            "NVFP4,NVFP4_H16,MXFP4,MXFP4_H32", "--views", "grid", "--mode",
-                           "estimated", "--text", str(text_file), "--windows", "2", "--tokens",
-                           "64", "--no-cache", "--out", str(out)], capture_output=True,
+                           "estimated", "--text", str(text_file), "--analysis-windows", "2",
+                           "--tokens", "64", "--no-cache", "--out", str(out)], capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = SensitivityReport.load(out / "sensitivity.json")

@@ -61,7 +61,7 @@ def test_saved_recipe_reproduces_the_checkpoint(quantized, tiny_llama, text_file
 
 @pytest.mark.slow
 def test_eval_command(quantized, text_file):
-    proc = _run("eval", quantized, "--text", text_file, "--windows", "2", "--tokens", "64",
+    proc = _run("eval", quantized, "--text", text_file, "--eval-windows", "2", "--tokens", "64",
                 "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout)
@@ -123,7 +123,7 @@ def test_interrupted_quantize_leaves_nothing_that_looks_complete(tiny_llama, tex
     monkeypatch.setattr(run, "oneshot_plan", interrupted)
     with pytest.raises(KeyboardInterrupt):
         pipeline.quantize_model(tiny_llama, out_dir=tmp_path / "q", budget_bits=5.0,
-                                text=text_file, calib_windows=4, estimate_windows=2,
+                                text=text_file, calib_windows=4, analysis_windows=2,
                                 window_tokens=64, progress=False, log=lambda m: None)
     assert list(tmp_path.iterdir()) == []
 
@@ -166,7 +166,7 @@ def test_modifier_estimates_from_calibration_data_and_composes_with_gptq(tiny_ll
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_quantize_output_passes_verify_vllm(quantized, serve_python):
-    proc = _run("verify-vllm", quantized, "--windows", "1", "--tokens", "128",
+    proc = _run("verify-vllm", quantized, "--eval-windows", "1", "--tokens", "128",
                 "--serve-python", serve_python, "--json")
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
     assert json.loads(proc.stdout)["passed"]

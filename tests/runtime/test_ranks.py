@@ -34,7 +34,7 @@ def _two_ranks(script: Path, timeout_s: int) -> list[subprocess.Popen]:
 
 
 def _analyze(tiny_llama, text_file, out: Path, ranks: int, env: dict, extra=()):
-    args = ["analyze", str(tiny_llama), "--text", str(text_file), "--windows", "4",
+    args = ["analyze", str(tiny_llama), "--text", str(text_file), "--analysis-windows", "4",
             "--tokens", "64", "--mode", "both", "--views", "component,block,grid",
             "--schemes", "NVFP4,MXFP4", "--out", str(out), "--no-plots", *extra]
     if ranks == 1:
@@ -111,7 +111,7 @@ def test_a_rank_killed_under_torchrun_leaves_the_survivor_s_one_line(tiny_llama,
     err = tmp_path / "stderr"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
            f"--master-port={_free_port()}", "-m", "fp4sense", "analyze", str(tiny_llama),
-           "--text", str(assets["calibration"]), "--windows", "16", "--tokens", "512",
+           "--text", str(assets["calibration"]), "--analysis-windows", "16", "--tokens", "512",
            "--no-plots", "--out", str(tmp_path / "a")]
     with err.open("w") as stream:
         launcher = subprocess.Popen(cmd, stderr=stream, stdout=subprocess.DEVNULL, env=env)

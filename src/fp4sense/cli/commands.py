@@ -97,7 +97,7 @@ def _cmd_verify_vllm(args: argparse.Namespace) -> int:
     windows = []
     for folder in args.checkpoint:
         check_checkpoint(folder)  # before the tokenizer: a missing folder is one line
-        w = protocol_windows(checkpoint_tokenizer(folder), "evaluation", args.n_windows,
+        w = protocol_windows(checkpoint_tokenizer(folder), "evaluation", args.eval_windows,
                              source=text_source(args), raw=args.raw_windows,
                              context=model_context(read_json(
                                  Path(folder) / "config.json", "checkpoint's config",

@@ -39,6 +39,8 @@ def markdown() -> str:
                   for g in parser._mutually_exclusive_groups if g.required
                   for a in g._group_actions}
         for action in parser._actions:
+            if action.help == argparse.SUPPRESS:  # a flag's name before 0.6.0
+                continue
             if action.option_strings:
                 value = ("{" + ",".join(action.choices) + "}" if action.choices
                          else action.metavar or action.dest.upper())

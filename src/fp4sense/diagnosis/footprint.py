@@ -67,5 +67,5 @@ def check_cache_memory(model, windows: torch.Tensor, units: UnitMap, modes, view
         need += weights
         parts.append(f"quantized weights {weights / 2**30:.2f} GiB")
         check_fits(need, f"analysis caches ({', '.join(parts)}; {n} windows x "
-                   f"{units.n_blocks} blocks)", "lower --windows or --tokens (or share the "
-                   "estimate's windows across more ranks with torchrun)", log)
+                   f"{units.n_blocks} blocks)", "lower --analysis-windows or --tokens (or "
+                   "share the estimate's windows across more ranks with torchrun)", log)

@@ -12,7 +12,8 @@ from fp4sense import defaults, options
 from fp4sense.diagnosis.results import SensitivityReport
 from fp4sense.diagnosis.views import analyze, check_request
 from fp4sense.inputs.assets import default_model_path
-from fp4sense.inputs.models import analysis_windows, load_model
+from fp4sense.inputs.models import analysis_windows as calibration_windows
+from fp4sense.inputs.models import load_model
 from fp4sense.inputs.texts import model_context, window_prefix
 from fp4sense.numerics.metrics import implausible
 from fp4sense.reports.analysis import write_analysis
@@ -21,10 +22,12 @@ from fp4sense.runtime.devices import resolve
 from fp4sense.runtime.outputs import check_analysis_output, local_inputs, record_written
 from fp4sense.structure.lineage import text_name
 from fp4sense.structure.offload import check_offload_dir
+from fp4sense.validate import renamed_keywords
 
 __all__ = ["analyze_model"]
 
 
+@renamed_keywords(n_windows="analysis_windows")
 def analyze_model(
     model: str | os.PathLike | None = None,
     *,
@@ -32,7 +35,7 @@ def analyze_model(
     schemes: Sequence[str] = ("NVFP4", "MXFP4"),
     views: Sequence[str] = ("component", "block"),
     modes: Sequence[str] = ("measured",),
-    n_windows: int = defaults.ANALYSIS_WINDOWS,
+    analysis_windows: int = defaults.ANALYSIS_WINDOWS,
     window_tokens: int = defaults.WINDOW_TOKENS,
     raw_windows: bool = False,
     grid_blocks: Iterable[int] | None = None,
@@ -72,8 +75,8 @@ def analyze_model(
     hf_model, tokenizer, notes = load_model(
         model, placement.dtype, "cpu" if offload_dir is not None else placement.device,
         low_memory=low_memory)
-    windows = analysis_windows(tokenizer, text, n_windows, window_tokens, raw_windows,
-                               model_context(hf_model.config), log)
+    windows = calibration_windows(tokenizer, text, analysis_windows, window_tokens, raw_windows,
+                                  model_context(hf_model.config), log)
     report = analyze(
         hf_model, windows, schemes=schemes, views=views, modes=modes, grid_blocks=grid_blocks,
         cache_dir=cache_folder,

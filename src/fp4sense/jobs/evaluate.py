@@ -22,17 +22,18 @@ from fp4sense.numerics.metrics import compare_models, implausible
 from fp4sense.runtime.devices import resolve
 from fp4sense.structure.lineage import is_hub_id, local_record, public_name
 from fp4sense.structure.units import model_fingerprint
-from fp4sense.validate import InputError, read_json
+from fp4sense.validate import InputError, read_json, renamed_keywords
 
 __all__ = ["evaluate_checkpoint"]
 
 
+@renamed_keywords(n_windows="eval_windows")
 def evaluate_checkpoint(
     checkpoint: str | os.PathLike,
     *,
     base: str | os.PathLike | None = None,
     text: str | os.PathLike | None = None,
-    n_windows: int = defaults.EVAL_WINDOWS,
+    eval_windows: int = defaults.EVAL_WINDOWS,
     window_tokens: int = defaults.WINDOW_TOKENS,
     as_served: bool = False,
     raw_windows: bool = False,
@@ -61,7 +62,7 @@ def evaluate_checkpoint(
     tokenizer = checkpoint_tokenizer(folder)
     if base is None:
         base = _recorded_base(folder)
-    windows = protocol_windows(tokenizer, "evaluation", n_windows, text, window_tokens,
+    windows = protocol_windows(tokenizer, "evaluation", eval_windows, text, window_tokens,
                                raw_windows, model_context(read_json(
                                    folder / "config.json", "checkpoint's config",
                                    "restore it from the checkpoint's source")), log)
@@ -86,7 +87,7 @@ def evaluate_checkpoint(
         **comparison.to_dict(),
         "effective_bits": bits["bits"], "linear_bytes": bits["bytes"],
         "format": qcfg.get("format"), "activation_quantized_layers": act_layers,
-        "windows": n_windows, "window_tokens": window_tokens,
+        "windows": eval_windows, "window_tokens": window_tokens,
         "window_prefix": window_prefix(tokenizer, raw_windows),
         "device": placement.describe(),
         "text": public_name(text) if text is not None else PROTOCOL_EVAL_TEXT,

@@ -13,10 +13,12 @@ from fp4sense import defaults, options
 from fp4sense.jobs.quantize_request import QuantizeRequest
 from fp4sense.jobs.quantize_run import QuantizeResult, QuantizeRun
 from fp4sense.quantization.distill_settings import DistillSettings
+from fp4sense.validate import renamed_keywords
 
 __all__ = ["quantize_model"]
 
 
+@renamed_keywords(estimate_windows="analysis_windows")
 def quantize_model(
     model: str | os.PathLike | None = None,
     *,
@@ -36,7 +38,7 @@ def quantize_model(
     base_model_id: str | None = None,
     text: str | os.PathLike | None = None,
     calib_windows: int = defaults.CALIB_WINDOWS,
-    estimate_windows: int = defaults.ANALYSIS_WINDOWS,
+    analysis_windows: int = defaults.ANALYSIS_WINDOWS,
     window_tokens: int = defaults.WINDOW_TOKENS,
     raw_windows: bool = False,
     evaluate: bool = True,
@@ -106,7 +108,7 @@ def quantize_model(
         sensitivity_mode=sensitivity_mode, pins=pins, gptq=gptq, gptq_scores=gptq_scores,
         scale_search=scale_search, select_plans=select_plans, distill=distill,
         base_model_id=base_model_id, text=text, calib_windows=calib_windows,
-        estimate_windows=estimate_windows, window_tokens=window_tokens,
+        analysis_windows=analysis_windows, window_tokens=window_tokens,
         raw_windows=raw_windows, evaluate=evaluate, eval_windows=eval_windows,
         overwrite=overwrite, device=device, dtype=dtype, low_memory=low_memory,
         progress=progress, log=log)

@@ -85,7 +85,7 @@ class Windows:
 
     text: str | os.PathLike | None
     calib_windows: int
-    estimate_windows: int
+    analysis_windows: int
     window_tokens: int
     raw_windows: bool
     eval_windows: int
@@ -149,7 +149,7 @@ class QuantizeRequest:
     @classmethod
     def parse(cls, model, *, out_dir, budget_bits, budget_bytes, kl_target, menu, sensitivity,
               sensitivity_mode, pins, gptq, gptq_scores, scale_search, select_plans, distill,
-              base_model_id, text, calib_windows, estimate_windows, window_tokens,
+              base_model_id, text, calib_windows, analysis_windows, window_tokens,
               raw_windows, evaluate, eval_windows, overwrite, device, dtype, low_memory,
               progress, log) -> QuantizeRequest:
         """The flat keywords of :func:`~fp4sense.jobs.quantize.quantize_model`
@@ -174,7 +174,7 @@ class QuantizeRequest:
                 raise DistillError("--distill trains inside llm-compressor's oneshot, which "
                                    "holds the whole model in memory (also with --distill-mode "
                                    "block); drop --low-memory")
-        windows = Windows(text, calib_windows, estimate_windows, window_tokens, raw_windows,
+        windows = Windows(text, calib_windows, analysis_windows, window_tokens, raw_windows,
                           eval_windows)
         return cls(model, objective, windows, rounding, distill, placement, output,
                    low_memory, progress, log)

@@ -167,7 +167,7 @@ class QuantizeRun:
         if r.objective.sensitivity is not None:
             return None
         t = time.perf_counter()
-        report = analyze(self.model, self.calib[:r.windows.estimate_windows],
+        report = analyze(self.model, self.calib[:r.windows.analysis_windows],
                          schemes=r.objective.quantizing, views=["grid"], modes=["estimated"],
                          cache_dir=None, text={"source": text_name(r.windows.text),
                                                "window_prefix": self.calibration["window_prefix"]},
@@ -201,7 +201,7 @@ class QuantizeRun:
         selection = None
         if objective.select_plans > 1:  # the predicted optimum is the first measured
             plan, selection = select_on_calibration(
-                self.model, report, self.calib, self.request.windows.estimate_windows,
+                self.model, report, self.calib, self.request.windows.analysis_windows,
                 objective.select_plans, solver, self.log, self.rounded)
         else:
             plan = solve(report, **solver)
@@ -237,7 +237,7 @@ class QuantizeRun:
             return None
         t = time.perf_counter()
         evaluation = evaluate_checkpoint(
-            work, base=self.source, n_windows=r.windows.eval_windows,
+            work, base=self.source, eval_windows=r.windows.eval_windows,
             window_tokens=r.windows.window_tokens, raw_windows=r.windows.raw_windows,
             device=str(r.placement.device), dtype=r.placement.dtype, progress=self.progress,
             log=self.log)

@@ -171,12 +171,12 @@ def measure_on(model: torch.nn.Module, units: UnitMap, windows: torch.Tensor, ro
 
 
 def select_on_calibration(model, report: SensitivityReport, calib: torch.Tensor,
-                          estimate_windows: int, k: int, objective: dict,
+                          analysis_windows: int, k: int, objective: dict,
                           log: Callable[[str], None], rounded=None) -> tuple[Plan, list[dict]]:
     """``quantize --select-plans K``: the best measured of the ``k`` best plans by
     prediction, measured on 4 calibration windows after the estimate's (its own when
     there are no others); ``rounded``: with those quantized weights (scores after GPTQ)."""
-    windows = calib[estimate_windows:estimate_windows + 4]
+    windows = calib[analysis_windows:analysis_windows + 4]
     if len(windows) == 0:
         windows = calib[:4]
         log("note: no calibration windows beyond the estimate's; plans are measured on "
