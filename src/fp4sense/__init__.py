@@ -9,6 +9,6 @@ the defaults the front doors share, ``options`` every option of analyze, quantiz
 eval (keyword, flag, default, help, validation) defined once.
 """
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 
 __all__ = ["__version__"]

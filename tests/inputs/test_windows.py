@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import FP4SENSE, SMALL
+from conftest import FP4SENSE
 from families import BOS_FAMILIES, make_family_model
 from fp4sense.inputs.texts import make_windows, protocol_windows, sequence_prefix
 
