@@ -34,7 +34,8 @@ def anchors(path: Path) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("page", PAGES + RELEASE_PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+@pytest.mark.parametrize("page", PAGES + RELEASE_PAGES,
+                         ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_link_resolves(page):
     bad = []
     for target in LINK.findall(FENCE.sub("", page.read_text())):
