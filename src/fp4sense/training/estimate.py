@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 import torch
 
 from fp4sense.numerics.training import Recipe, get_recipe
-from fp4sense.numerics.training_linear import gemm_operands
+from fp4sense.numerics.training_linear import EmulatedLinear, gemm_operands
 from fp4sense.structure.units import UnitMap
 
 __all__ = ["NSR_LIMIT", "GemmError", "UnitEstimate", "estimate_training", "training_units"]
 
+_LINEARS = (torch.nn.Linear, EmulatedLinear)
 #: above this noise-to-signal ratio of a layer's gradient, FP4 stops helping (1/√3)
 NSR_LIMIT = 1 / math.sqrt(3)
 
@@ -118,7 +119,7 @@ class _Probe(torch.autograd.Function):
 def training_units(units: UnitMap, model: torch.nn.Module) -> list:
     """The units the emulation trains: those whose linears are ``nn.Linear`` (routed
     experts held as 3-D parameters are left in high precision, and named)."""
-    return [u for u in units.units if all(isinstance(model.get_submodule(m), torch.nn.Linear)
+    return [u for u in units.units if all(isinstance(model.get_submodule(m), _LINEARS)
                                           for m in u.modules)]
 
 
@@ -131,7 +132,7 @@ def estimate_training(model: torch.nn.Module, windows: torch.Tensor, units: Unit
     recipe = get_recipe(recipe)
     trained = training_units(units, model)
     sums = {m: _Sums() for u in trained for m in u.modules}
-    originals = {m: model.get_submodule(m).forward for m in sums}
+    originals = {m: model.get_submodule(m).__dict__.get("forward") for m in sums}
     draw = {"generator": None}  # this seed's stochastic rounding
     for name, s in sums.items():
         linear = model.get_submodule(name)
@@ -147,8 +148,12 @@ def estimate_training(model: torch.nn.Module, windows: torch.Tensor, units: Unit
             if progress:
                 progress(1)
     finally:
-        for name, forward in originals.items():
-            model.get_submodule(name).forward = forward
+        for name, forward in originals.items():  # the class's own forward again
+            module = model.get_submodule(name)
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward
         model.zero_grad(set_to_none=True)
     return _collect(trained, sums, windows.numel())
 
