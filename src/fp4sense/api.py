@@ -11,6 +11,12 @@ name                   command         defined in
 ``analyze_model``      analyze         :mod:`fp4sense.jobs.analyze`
 ``quantize_model``     quantize        :mod:`fp4sense.jobs.quantize`
 ``evaluate_checkpoint`` eval           :mod:`fp4sense.jobs.evaluate`
+``analyze_training``   analyze-training :mod:`fp4sense.jobs.analyze_training`
+``train_trial``        train-trial     :mod:`fp4sense.jobs.train_trial`
+``apply_training_      (training, in   :mod:`fp4sense.numerics.training_linear`
+policy``               a user's loop)
+``FP4TrainingMonitor`` (a transformers :mod:`fp4sense.training.callback`
+                       Trainer)
 ``verify_vllm``        verify-vllm     :mod:`fp4sense.evaluation.vllm_check`
 ``check_folder``,      push            :mod:`fp4sense.publishing.hub`
 ``push``
@@ -32,13 +38,18 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name loads on 
     from fp4sense.inputs.gguf import convert_gguf
     from fp4sense.inputs.models import BUNDLED_MODEL_NOTE, analysis_windows, load_model
     from fp4sense.jobs.analyze import analyze_model
+    from fp4sense.jobs.analyze_training import analyze_training
     from fp4sense.jobs.evaluate import evaluate_checkpoint
     from fp4sense.jobs.quantize import quantize_model
+    from fp4sense.jobs.train_trial import train_trial
+    from fp4sense.numerics.training_linear import apply_training_policy
     from fp4sense.publishing.hub import check_folder, push
+    from fp4sense.training.callback import FP4TrainingMonitor
 
-__all__ = ["BUNDLED_MODEL_NOTE", "analysis_windows", "analyze_model", "check_folder",
-           "convert_gguf", "ensure_assets", "evaluate_checkpoint", "load_model", "push",
-           "quantize_model", "verify_vllm"]
+__all__ = ["BUNDLED_MODEL_NOTE", "FP4TrainingMonitor", "analysis_windows", "analyze_model",
+           "analyze_training", "apply_training_policy", "check_folder", "convert_gguf",
+           "ensure_assets", "evaluate_checkpoint", "load_model", "push", "quantize_model",
+           "train_trial", "verify_vllm"]
 
 
 def _run():
@@ -81,12 +92,34 @@ def _models():
     return models
 
 
+def _training():
+    from fp4sense.jobs import analyze_training
+    return analyze_training
+
+
+def _trial():
+    from fp4sense.jobs import train_trial
+    return train_trial
+
+
+def _linear():
+    from fp4sense.numerics import training_linear
+    return training_linear
+
+
+def _callback():
+    from fp4sense.training import callback
+    return callback
+
+
 #: public name -> the function returning the module that defines it
 _WHERE = {"analyze_model": _run, "quantize_model": _pipeline,
           "evaluate_checkpoint": _evaluate, "verify_vllm": _vllm_check,
           "check_folder": _hub, "push": _hub, "convert_gguf": _gguf,
           "ensure_assets": _assets, "load_model": _models, "analysis_windows": _models,
-          "BUNDLED_MODEL_NOTE": _models}
+          "BUNDLED_MODEL_NOTE": _models, "analyze_training": _training,
+          "train_trial": _trial, "apply_training_policy": _linear,
+          "FP4TrainingMonitor": _callback}
 
 
 def __getattr__(name: str):

@@ -25,6 +25,17 @@ WINDOW_TOKENS = 512
 VLLM_PROMPT = "The President of the United States said that"
 #: verify-vllm: seconds the vLLM run may take
 VLLM_TIMEOUT_S = 900.0
+#: FP4 training: the recipe, the BF16 share of the linear GEMM FLOPs a policy may keep
+#: (NVIDIA's NVFP4 pretraining recipe keeps about 15%), the Blackwell part its time is
+#: predicted on, tokens per optimizer step, the seeds of stochastic rounding and data
+#: order, and the trials' steps and AdamW learning rate
+TRAINING_RECIPE = "nvfp4"
+BF16_SHARE = 0.15
+BLACKWELL_PART = "b200"
+TOKENS_PER_STEP = 1 << 20
+TRAINING_SEEDS = 2
+TRIAL_STEPS = 8
+TRIAL_LR = 1e-4
 
 
 def cache_dir() -> Path:

@@ -30,6 +30,12 @@ from fp4sense.cli.streams import (
 )
 from fp4sense.cli.streams import emit_json as _emit_json
 from fp4sense.cli.streams import stdout_for_json as _stdout_for_json
+from fp4sense.cli.training import (
+    analyze_training_args,
+    run_analyze_training,
+    run_train_trial,
+    train_trial_args,
+)
 from fp4sense.inputs.assets import default_model_path
 from fp4sense.runtime.outputs import check_analysis_output, guard_output, local_inputs
 from fp4sense.validate import EXIT_USER_ERROR, UserError, read_json
@@ -268,6 +274,13 @@ COMMANDS: dict[str, Command] = {
                     push_args, _cmd_push),
     "schemes": Command("list the scheme menu with bits per weight", schemes_args,
                        _cmd_schemes),
+    "analyze-training": Command("which layers and GEMMs (fprop, dgrad, wgrad) of MODEL can "
+                                "train in NVFP4 / MXFP4: estimated and measured, a policy "
+                                "under a BF16 budget, exports for TE, Megatron, torchao, "
+                                "torchtitan", analyze_training_args, run_analyze_training),
+    "train-trial": Command("train the arms bf16, all-fp4, nvidia-rule and policy of a "
+                           "training policy from one start and compare held-aside losses",
+                           train_trial_args, run_train_trial),
 }
 
 

@@ -32,10 +32,12 @@ def _finite(obj):
     return obj
 
 
-def emit_json(obj) -> None:
-    """Write ``obj`` as strict JSON (non-finite numbers as null) to the JSON stream."""
+def emit_json(obj, one_line: bool = False) -> None:
+    """Write ``obj`` as strict JSON (non-finite numbers as null) to the JSON stream
+    (``one_line``: on one line, for scripts that read a line)."""
     stream = _json_out or sys.stdout
-    stream.write(json.dumps(_finite(obj), indent=2, allow_nan=False) + "\n")
+    stream.write(json.dumps(_finite(obj), indent=None if one_line else 2,
+                            allow_nan=False) + "\n")
     stream.flush()
 
 

@@ -77,7 +77,8 @@ def check_writable(folder: Path, what: str, fix: str) -> None:
 
 
 def guard_output(out: str | os.PathLike, *, inputs: Iterable[str | os.PathLike] = (),
-                 overwrite: bool = False, replaces: bool = True) -> Path:
+                 overwrite: bool = False, replaces: bool = True,
+                 writes: Iterable[str] = ()) -> Path:
     """The one ``--out`` rule (module docstring); raises :class:`InputError` naming the
     culprit. ``inputs``: the files and folders the command reads (the model, the GGUF,
     the text). ``replaces``: the command publishes a whole new folder (quantize,
@@ -108,7 +109,9 @@ def guard_output(out: str | os.PathLike, *, inputs: Iterable[str | os.PathLike] 
         if replaces and not overwrite:
             raise InputError(f"{out} exists and is not empty; choose another --out or pass "
                              "--overwrite")
-        stranger = [f for f in foreign_files(out) if replaces or is_checkpoint_file(f)]
+        writes = set(writes)  # a user's file with a name the command writes is refused
+        stranger = [f for f in foreign_files(out)
+                    if replaces or is_checkpoint_file(f) or f in writes]
         if stranger:
             raise InputError(
                 f"--out {out} holds {stranger[0]!r}" + (f" and {len(stranger) - 1} more"
@@ -119,15 +122,16 @@ def guard_output(out: str | os.PathLike, *, inputs: Iterable[str | os.PathLike] 
     return out
 
 
-def check_analysis_output(out_dir, cache, inputs: Iterable = ()) -> Path | None:
+def check_analysis_output(out_dir, cache, inputs: Iterable = (), cache_name: str = "analysis",
+                          writes: Iterable[str] = ()) -> Path | None:
     """``fp4sense analyze``'s output folder (:func:`guard_output`, rerunnable into the
     folder it wrote, never into a checkpoint) and analysis cache (``cache``: True for the
     fp4sense cache, a folder, or False for none), checked writable before any work;
     returns the cache folder."""
-    cache_folder = (cache_dir() / "analysis" if cache is True else Path(cache) if cache
+    cache_folder = (cache_dir() / cache_name if cache is True else Path(cache) if cache
                     else None)
     if out_dir is not None:  # nothing is computed when the results cannot be written
-        out = guard_output(out_dir, inputs=inputs, replaces=False)
+        out = guard_output(out_dir, inputs=inputs, replaces=False, writes=writes)
         held = [n for n in ("plan.json", "recipe.yaml") if (out / n).is_file()]
         if held:
             raise InputError(f"--out {out_dir} holds a checkpoint ({held[0]}): the analysis "

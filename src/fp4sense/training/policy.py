@@ -18,13 +18,14 @@ from collections.abc import Sequence
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
+from fp4sense import defaults
 from fp4sense.numerics.training import GEMMS
 from fp4sense.training.estimate import UnitEstimate
 from fp4sense.validate import InputError
 
 __all__ = ["DEFAULT_BF16_SHARE", "PARTS", "nvidia_rule", "solve_policy", "policy_linears"]
 
-DEFAULT_BF16_SHARE = 0.15
+DEFAULT_BF16_SHARE = defaults.BF16_SHARE
 #: dense tensor-core PFLOPS per GPU (sparsity off) by precision, and where they are from
 PARTS = {
     "b200": ({"fp4": 9.0, "fp8": 4.5, "bf16": 2.25},
@@ -56,7 +57,7 @@ def _damage(est: UnitEstimate | None, gemm: str) -> float:
 
 
 def solve_policy(fp4: Sequence[UnitEstimate], mxfp8: Sequence[UnitEstimate] | None,
-                 recipe: str, tokens: int, part: str = "b200",
+                 recipe: str, tokens: int, part: str = defaults.BLACKWELL_PART,
                  bf16_share: float | None = DEFAULT_BF16_SHARE,
                  step_time_s: float | None = None) -> dict:
     """The policy (training-policy.json's content) for units estimated under the FP4

@@ -15,7 +15,7 @@ from optimum.commands.base import BaseOptimumCLICommand, CommandInfo
 
 from fp4sense.cli import COMMANDS, run_command
 
-MOUNTED = ("analyze", "quantize", "eval")
+MOUNTED = ("analyze", "quantize", "eval", "analyze-training", "train-trial")
 
 
 def _leaf(name: str) -> type[BaseOptimumCLICommand]:

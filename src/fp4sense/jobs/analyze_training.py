@@ -1,0 +1,202 @@
+"""``fp4sense analyze-training``: which units, blocks and GEMMs of a model can train in
+FP4. Estimates every unit's three GEMMs (one pass per seed), measures short trials per
+block, component and GEMM where asked, solves the policy under the budget, and writes
+training-sensitivity.json, training-policy.json, the exports, report.md and plots.
+
+The results are cached by model, text windows, recipe and settings: a run stopped in its
+trials resumes at the next arm."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from fp4sense import defaults, options_training
+from fp4sense.inputs.assets import default_model_path
+from fp4sense.inputs.models import load_model
+from fp4sense.inputs.texts import model_context, protocol_windows
+from fp4sense.numerics.training import get_recipe
+from fp4sense.options import check
+from fp4sense.reports.training import plot_training_views, write_training_report
+from fp4sense.runtime import distributed
+from fp4sense.runtime.devices import resolve
+from fp4sense.runtime.outputs import check_analysis_output, local_inputs, record_written
+from fp4sense.structure.lineage import text_name
+from fp4sense.structure.units import find_units, model_fingerprint, model_name
+from fp4sense.training.estimate import estimate_training, training_units
+from fp4sense.training.exports import EXPORTS, write_exports
+from fp4sense.training.policy import solve_policy
+from fp4sense.training.trials import Arm, paired_differences, run_trials
+from fp4sense.training.views import build_views, measured_arms, rank_correlations
+
+__all__ = ["TRAINING_FILES", "analyze_training"]
+
+TRAINING_FILES = ("training-sensitivity.json", "training-policy.json", "report.md",
+                  *EXPORTS, "training-block.png", "training-component.png", "training-gemm.png")
+
+
+def analyze_training(
+    model: str | os.PathLike | None = None,
+    *,
+    text: str | os.PathLike | None = None,
+    recipe: str = defaults.TRAINING_RECIPE,
+    views: Sequence[str] = options_training.TRAINING_VIEWS,
+    modes: Sequence[str] = ("estimated",),
+    analysis_windows: int = defaults.ANALYSIS_WINDOWS,
+    window_tokens: int = defaults.WINDOW_TOKENS,
+    raw_windows: bool = False,
+    eval_windows: int = 4,
+    seeds: int = defaults.TRAINING_SEEDS,
+    trial_steps: int = defaults.TRIAL_STEPS,
+    trial_lr: float = defaults.TRIAL_LR,
+    bf16_share: float = defaults.BF16_SHARE,
+    step_time_ms: float | None = None,
+    part: str = defaults.BLACKWELL_PART,
+    tokens_per_step: int = defaults.TOKENS_PER_STEP,
+    mxfp8: bool = True,
+    out_dir: str | os.PathLike | None = None,
+    cache: bool | str | os.PathLike = True,
+    plots: bool = True,
+    device: str = "cpu",
+    dtype: str | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """``fp4sense analyze-training``: the FP4 training sensitivity of ``model`` under
+    ``recipe`` (nvfp4, mxfp4) and its policy; returns training-sensitivity.json's content
+    with the policy under ``"policy"``. ``modes``: estimated and/or measured (trials)."""
+    check(options_training.ANALYZE_TRAINING, locals(), "analyze_training")
+    views = options_training.views_of(views)
+    placement = resolve(device, dtype, log=log)
+    cache_folder = check_analysis_output(out_dir, cache, local_inputs(
+        model or default_model_path(), text), "training", TRAINING_FILES)
+    distributed.init_from_env(placement.device)
+    progress = progress and distributed.is_main()
+    hf_model, tokenizer, _ = load_model(model, placement.dtype, placement.device)
+    context = model_context(hf_model.config)
+    train = protocol_windows(tokenizer, "calibration", analysis_windows, text, window_tokens,
+                             raw_windows, context, log)
+    units_map = find_units(hf_model, train[:1, :16])
+    units = training_units(units_map, hf_model)
+    r = get_recipe(recipe)
+    key = _key(hf_model, train, r, seeds, trial_steps, trial_lr)
+    store = _Store(cache_folder, key)
+    bar = tqdm(total=seeds + 1, desc="estimate (passes)", disable=not progress, leave=False)
+    est = store.get("estimate", lambda: [e.to_dict() for e in estimate_training(
+        hf_model, train, units_map, r, seeds, bar.update)])
+    est8 = store.get("estimate-mxfp8", lambda: [e.to_dict() for e in estimate_training(
+        hf_model, train, units_map, "mxfp8", 1, bar.update)]) if mxfp8 else None
+    bar.close()
+    measured = {}
+    if "measured" in modes:
+        held = protocol_windows(tokenizer, "evaluation", eval_windows, None, window_tokens,
+                                raw_windows, context, log)
+        measured = _trials(hf_model, train, held, units, r.name, views, store, seeds,
+                           trial_steps, trial_lr, progress)
+    estimates = _estimates(est)
+    view_rows = build_views(estimates, views, measured)
+    result = {"version": 1, "model": model_name(hf_model, model or ""), "recipe": r.name,
+              "recipe_source": r.source, "knobs": {"rht": r.rht, "stochastic_rounding":
+                                                   r.stochastic_rounding,
+                                                   "weight_2d": r.weight_2d},
+              "text": text_name(text), "windows": analysis_windows,
+              "window_tokens": window_tokens, "seeds": seeds, "modes": list(modes),
+              "trials": {"steps": trial_steps, "lr": trial_lr, "eval_windows": eval_windows}
+              if measured else None,
+              "units": est, "views": view_rows, "rank_correlation": rank_correlations(
+                  view_rows),
+              "left_in_bf16": sorted(m for u in units_map.units if u not in units
+                                     for m in u.modules[:1]) + units_map.outside}
+    policy = solve_policy(estimates, _estimates(est8) if est8 else None, r.name,
+                          tokens_per_step, part, None if step_time_ms else bf16_share,
+                          step_time_ms / 1e3 if step_time_ms else None)
+    result["policy"] = policy
+    if out_dir is not None and distributed.is_main():
+        _write(Path(out_dir), result, policy, plots, log)
+    return result
+
+
+def _estimates(rows: list[dict]):
+    from fp4sense.training.estimate import GemmError, UnitEstimate
+
+    out = []
+    for d in rows:
+        e = UnitEstimate(d["name"], d["block"], d["kind"], tuple(d["modules"]),
+                         d["flops_per_token"])
+        e.gemms = {g: GemmError(**v) for g, v in d["gemms"].items()}
+        out.append(e)
+    return out
+
+
+def _trials(model, train, held, units, recipe, views, store, seeds, steps, lr, progress):
+    arms = {"bf16": {}, **measured_arms(units, recipe, views)}
+    bar = tqdm(total=len(arms) * seeds * steps, desc="trials (steps)", disable=not progress)
+    results = {}
+    for name in distributed.shard(list(arms)):
+        results[name] = store.get(f"trial:{name}", lambda name=name: run_trials(
+            model, train, held, [Arm(name, arms[name])], steps, seeds, lr,
+            progress=bar.update)[name].to_dict())
+    bar.close()
+    for part in distributed.gather(results):
+        results.update(part)
+    from fp4sense.training.trials import Monitor, TrialResult
+
+    as_results = {n: TrialResult(d["loss"], d["se"], d["loss_bf16"], d["se_bf16"],
+                                 d["per_seed"], d["curves"], Monitor())
+                  for n, d in results.items()}
+    return paired_differences(as_results)
+
+
+def _key(model, windows: torch.Tensor, recipe, seeds, steps, lr) -> str:
+    h = hashlib.sha256()
+    h.update(model_fingerprint(model).encode())
+    h.update(windows.cpu().numpy().tobytes())
+    h.update(json.dumps([recipe.name, recipe.rht, recipe.stochastic_rounding,
+                         recipe.weight_2d, seeds, steps, lr, str(next(
+                             model.parameters()).dtype)]).encode())
+    return h.hexdigest()[:24]
+
+
+class _Store:
+    """The cache of one run's pieces (estimates, each trial): read back when there,
+    written as each one finishes (a stopped run resumes)."""
+
+    def __init__(self, folder: Path | None, key: str):
+        self.path = None if folder is None else folder / f"{key}.json"
+        self.data = {}
+        if self.path is not None and self.path.is_file():
+            try:
+                self.data = json.loads(self.path.read_text())
+            except ValueError:
+                self.data = {}  # a damaged entry is computed again
+
+    def get(self, name: str, compute):
+        if name not in self.data:
+            self.data[name] = compute()
+            if self.path is not None and distributed.is_main():
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = self.path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(self.data))
+                tmp.replace(self.path)
+        return self.data[name]
+
+
+def _write(out: Path, result: dict, policy: dict, plots: bool, log) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    body = {k: v for k, v in result.items() if k != "policy"}
+    (out / "training-sensitivity.json").write_text(json.dumps(body, indent=1))
+    (out / "training-policy.json").write_text(json.dumps(policy, indent=1))
+    exports = [p.name for p in write_exports(policy, out)]
+    pngs = plot_training_views(out, result) if plots else []
+    write_training_report(out, result, policy, exports, plots)
+    written = ["training-sensitivity.json", "training-policy.json", "report.md", *exports,
+               *pngs]
+    record_written(out, [out / n for n in written])
+    for name in written:
+        log(f"{name:28s} {out / name}")
