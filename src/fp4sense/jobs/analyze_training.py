@@ -112,7 +112,8 @@ def analyze_training(
               "units": est, "views": view_rows, "rank_correlation": rank_correlations(
                   view_rows),
               "left_in_bf16": sorted(m for u in units_map.units if u not in units
-                                     for m in u.modules[:1]) + units_map.outside}
+                                     for m in u.modules[:1]) + units_map.outside
+              + sorted(units_map.unaccounted)}
     policy = solve_policy(estimates, _estimates(est8) if est8 else None, r.name,
                           tokens_per_step, part, None if step_time_ms else bf16_share,
                           step_time_ms / 1e3 if step_time_ms else None)

@@ -1,0 +1,134 @@
+"""The estimated FP4 training sensitivity measures what each GEMM alone does: a unit's
+wgrad and fprop errors from the all-at-once pass equal those of a model with only that
+GEMM of only that unit quantized; stochastic rounding's noise averages away over seeds
+(the bias stays below the error); the trials start from one place; the monitor flags
+divergence; FP4TrainingMonitor runs in a transformers Trainer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp4sense.numerics.training import get_recipe
+from fp4sense.numerics.training_linear import apply_training_policy
+from fp4sense.structure.units import find_units
+from fp4sense.training.estimate import NSR_LIMIT, estimate_training, training_units
+from fp4sense.training.trials import Arm, Monitor, paired_differences, run_trials
+
+FAMILY_SET = ["llama", "qwen2", "gemma2", "mistral", "qwen3_moe"]
+
+
+def _model(family: str = "llama", seed: int = 0):
+    import transformers
+    from families import COMMON, FAMILIES, MOE_FAMILIES
+
+    model_cls, config_cls, overrides, _ = {**FAMILIES, **MOE_FAMILIES}[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
+    return getattr(transformers, model_cls)(config)
+
+
+def _ids(n=4, t=48, seed=0):
+    return torch.randint(0, 2000, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", FAMILY_SET)
+def test_each_gemm_error_is_the_error_of_that_gemm_alone(family):
+    model, ids = _model(family), _ids()
+    units = find_units(model, ids[:1, :16])
+    recipe = get_recipe("nvfp4").but(stochastic_rounding=False)  # deterministic
+    est = {e.name: e for e in estimate_training(model, ids, units, recipe, seeds=1)}
+    assert all(p.grad is None for p in model.parameters())  # left as it was
+    assert all(type(m).__name__ != "EmulatedLinear" for m in model.modules())
+    trained = training_units(units, model)
+    assert set(est) == {u.name for u in trained} and len(trained) >= 4
+    if family == "qwen3_moe":  # routed experts held as 3-D parameters: not emulated, named
+        assert any(name.endswith("mlp.experts") for name in units.unaccounted)
+    unit = trained[len(trained) // 2]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def grads_and_outputs(policy):
+        model.load_state_dict(state)
+        apply_training_policy(model, policy)
+        outs = {}
+        hooks = [model.get_submodule(m).register_forward_hook(
+            lambda mod, i, o, m=m: outs.__setitem__(m, o.detach())) for m in unit.modules]
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        for h in hooks:
+            h.remove()
+        return {m: model.get_submodule(m).weight.grad.clone() for m in unit.modules}, outs
+
+    exact_g, exact_y = grads_and_outputs({})
+    wgrad_g, _ = grads_and_outputs({m: {"wgrad": recipe} for m in unit.modules})
+    _, fprop_y = grads_and_outputs({m: {"fprop": recipe} for m in unit.modules})
+
+    def rel(q, r):
+        num = sum(float((q[m] - r[m]).pow(2).sum()) for m in unit.modules)
+        return (num / sum(float(r[m].pow(2).sum()) for m in unit.modules)) ** 0.5
+
+    bias = {m: model.get_submodule(m).bias for m in unit.modules}
+    bias = {m: None if b is None else b.detach() for m, b in bias.items()}
+    exact_y = {m: y - (bias[m] if bias[m] is not None else 0) for m, y in exact_y.items()}
+    fprop_y = {m: y - (bias[m] if bias[m] is not None else 0) for m, y in fprop_y.items()}
+    e = est[unit.name]
+    assert e.gemms["wgrad"].rel_error == pytest.approx(rel(wgrad_g, exact_g), rel=1e-3)
+    assert e.gemms["fprop"].rel_error == pytest.approx(rel(fprop_y, exact_y), rel=1e-3)
+    assert 0 < e.gemms["dgrad"].rel_error < 0.5
+
+
+def test_stochastic_rounding_noise_averages_away_over_seeds():
+    model, ids = _model(), _ids()
+    units = find_units(model, ids[:1, :16])
+    sr = estimate_training(model, ids, units, "nvfp4", seeds=4)
+    rn = estimate_training(model, ids, units, get_recipe("nvfp4").but(
+        stochastic_rounding=False), seeds=2)
+    for a, b in zip(sr, rn, strict=True):
+        assert a.gemms["wgrad"].bias < a.gemms["wgrad"].rel_error  # noise, told apart
+        assert b.gemms["wgrad"].bias == pytest.approx(b.gemms["wgrad"].rel_error, rel=1e-6)
+        assert 0.9 < a.gemms["wgrad"].cosine <= 1 and a.nsr < NSR_LIMIT
+    damage = [u.gemms[g].damage for u in sr for g in u.gemms]
+    assert all(d >= 0 for d in damage) and sr[0].gemms["dgrad"].damage == 0  # nothing before
+
+
+def test_trials_start_from_one_place_and_pair_their_seeds():
+    model, ids = _model(), _ids(10, 32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    units = training_units(find_units(model, ids[:1, :16]), model)
+    fp4 = {m: "nvfp4" for u in units for m in u.modules}
+    r = run_trials(model, ids[:8], ids[8:], [Arm("bf16", {}), Arm("again", {}),
+                                             Arm("fp4", fp4)], steps=2, seeds=2, lr=1e-3)
+    assert r["bf16"].per_seed == r["again"].per_seed  # same start, data order and seeds
+    assert r["fp4"].per_seed != r["bf16"].per_seed
+    diff = paired_differences(r)
+    assert diff["again"] == (0.0, 0.0)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_the_monitor_names_spikes_and_divergence():
+    m = Monitor()
+    for i, loss in enumerate([4.0, 3.9, 3.8, 7.0, 30.0, float("nan")]):
+        m.step(i, loss)
+    assert m.events[0].startswith("step 3: loss spike")
+    assert any(e.startswith("step 4: diverged") for e in m.events)
+    assert any(e.startswith("step 5: diverged") for e in m.events)
+    m.nsr = {"0:mlp.down_proj": [0.2, 0.7, 0.9], "1:mlp.down_proj": [0.1, 0.2, 0.3]}
+    assert m.stop_helping(every=10) == {"0:mlp.down_proj": 10}
+
+
+@pytest.mark.slow
+def test_the_trainer_callback_logs_the_monitor(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from fp4sense.api import FP4TrainingMonitor
+
+    model, ids = _model(), _ids(8, 32)
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    lines = []
+    monitor = FP4TrainingMonitor(ids[:2], every=2, log=lines.append)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2,
+                             logging_steps=1, report_to=[], use_cpu=True, save_strategy="no")
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[monitor]).train()
+    report = monitor.report()
+    assert report["steps"] == [2, 4]
+    assert all(len(v) == 2 for v in report["nsr"].values()) and len(report["nsr"]) == 8
