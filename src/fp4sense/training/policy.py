@@ -86,9 +86,12 @@ def solve_policy(fp4: Sequence[UnitEstimate], mxfp8: Sequence[UnitEstimate] | No
     one_each = np.zeros((n // k, n))
     for i in range(n // k):
         one_each[i, i * k:(i + 1) * k] = 1
+    unit = 3 * _seconds(total_flops, "bf16", part) or 1.0  # all-BF16 time: HiGHS's
+    # tolerances are absolute, so costs are solved as shares of it, not as seconds
     res = milp(c=np.array(damage), integrality=np.ones(n), bounds=Bounds(0, 1),
                constraints=[LinearConstraint(one_each, 1, 1),
-                            LinearConstraint(np.array([cost]), -np.inf, step_time_s)])
+                            LinearConstraint(np.array([cost]) / unit, -np.inf,
+                                             step_time_s / unit * (1 + 1e-9))])
     if res.x is None:  # pragma: no cover - all-FP4 is always feasible above
         raise InputError(f"no policy fits {step_time_s * 1e3:.4g} ms ({res.message})")
     picked = {keys[i]: (cost[i], damage[i]) for i in np.flatnonzero(res.x > 0.5)}
