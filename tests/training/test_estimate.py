@@ -20,6 +20,7 @@ FAMILY_SET = ["llama", "qwen2", "gemma2", "mistral", "qwen3_moe"]
 
 def _model(family: str = "llama", seed: int = 0):
     import transformers
+
     from families import COMMON, FAMILIES, MOE_FAMILIES
 
     model_cls, config_cls, overrides, _ = {**FAMILIES, **MOE_FAMILIES}[family]

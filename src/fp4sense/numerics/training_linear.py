@@ -172,8 +172,8 @@ def apply_training_policy(model: torch.nn.Module, policy: Mapping[str, object],
                               (None, fallback))
         used.add(key)
         chosen[name] = precision
-        if isinstance(module, EmulatedLinear):
-            module.precision = precision
+        if isinstance(module, EmulatedLinear):  # a policy again: its draws anew
+            module.precision, module.generator = precision, generator
             continue
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

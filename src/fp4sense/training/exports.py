@@ -57,8 +57,10 @@ def _leaves(policy: dict):
             yield ch["block"], m, m.rsplit(".", 1)[-1], ch["gemms"]
 
 
-def _megatron(block: int, leaf: str, one_based: bool) -> str | None:
+def _megatron(block: int, leaf: str, one_based: bool, module: str = "") -> str | None:
     name = _NAMES.get(leaf, (None, None))[0]
+    if name is not None and ".experts." in module:  # routed experts: Megatron's grouped
+        name = name.replace("mlp.", "mlp.experts.")
     return None if name is None else f"decoder.layers.{block + one_based}.{name}"
 
 
@@ -67,7 +69,7 @@ def te_debug_yaml(policy: dict) -> tuple[dict, list[str]]:
     notes, by_set = [], {}
     seen = set()
     for block, module, leaf, gemms in _leaves(policy):
-        name = _megatron(block, leaf, True)
+        name = _megatron(block, leaf, True, module)
         off = tuple(g for g in GEMMS if gemms[g] in ("bf16", "mxfp8"))
         if any(gemms[g] == "mxfp8" for g in GEMMS):
             notes.append(f"{module}: MXFP8 GEMMs are written as BF16 (TE's debug features "
@@ -99,7 +101,7 @@ def megatron_config(policy: dict) -> dict:
                          "training_recipe": {"fp4_quantization_recipe": "nvfp4"}}}
     matchers, notes, modules = {}, [], {}
     for block, module, leaf, gemms in _leaves(policy):
-        name = _megatron(block, leaf, False)
+        name = _megatron(block, leaf, False, module)
         if name is None:
             notes.append(f"{module}: no Megatron name")
             continue
@@ -142,7 +144,7 @@ def _first_last(policy: dict) -> dict:
 def torchtitan_fqns(policy: dict) -> dict:
     keep, convert, notes = set(), set(), []
     for block, module, leaf, gemms in _leaves(policy):
-        titan = _NAMES.get(leaf, (None, None))[1]
+        titan = None if ".experts." in module else _NAMES.get(leaf, (None, None))[1]
         if titan is None:
             notes.append(f"{module}: no torchtitan name")
             continue

@@ -1,0 +1,132 @@
+"""``fp4sense analyze-training`` and ``train-trial`` from the command line (and
+optimum-cli): every file written, the cache resumes, --json, bad input in one line with
+nothing lost; a MoE family through the same door."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import FP4SENSE
+from helpers import one_line
+
+OPTIMUM_CLI = str(Path(sys.executable).parent / "optimum-cli")
+SMALL = ["--analysis-windows", "3", "--tokens", "48", "--eval-windows", "2"]
+
+
+def _run(*args, env=None, exe=FP4SENSE) -> subprocess.CompletedProcess:
+    return subprocess.run([exe, *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def analysis(tiny_llama, text_file, tmp_path_factory):
+    """Both modes on the tiny Llama, cached in a cache of its own."""
+    out = tmp_path_factory.mktemp("training") / "out"
+    cache = out.parent / "cache"
+    proc = _run("analyze-training", tiny_llama, "--text", text_file, *SMALL, "--mode", "both",
+                "--trial-steps", "2", "--out", out, "--json",
+                env={"FP4SENSE_CACHE": str(cache)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, cache, json.loads(proc.stdout)
+
+
+@pytest.mark.slow
+def test_analyze_training_writes_every_file_and_resumes(analysis, tiny_llama, text_file):
+    out, cache, summary = analysis
+    from fp4sense.jobs.analyze_training import TRAINING_FILES
+
+    assert sorted(p.name for p in out.iterdir()) == sorted(TRAINING_FILES)
+    result = json.loads((out / "training-sensitivity.json").read_text())
+    assert {v for v in result["views"]} == {"block", "component", "gemm"}
+    assert all("measured" in row for rows in result["views"].values() for row in rows)
+    assert set(result["rank_correlation"]) == {"component", "gemm"}  # 2 blocks: too few
+    assert summary["findings"] and summary["predicted_damage"] >= 0
+    policy = json.loads((out / "training-policy.json").read_text())
+    assert policy["nvidia_rule"]["bf16_blocks"] and len(policy["choices"]) == 8
+    entries = json.loads(next((cache / "training").glob("*.json")).read_text())
+    assert {"estimate", "estimate-mxfp8", "trial:bf16", "trial:block:0",
+            "trial:gemm:wgrad"} <= set(entries)
+    # a run stopped after some trials resumes: drop two, run again, the same figures
+    cache_file = next((cache / "training").glob("*.json"))
+    entries.pop("trial:block:1")
+    entries.pop("trial:gemm:dgrad")
+    cache_file.write_text(json.dumps(entries))
+    again = out.parent / "again"
+    proc = _run("analyze-training", tiny_llama, "--text", text_file, *SMALL, "--mode", "both",
+                "--trial-steps", "2", "--out", again, env={"FP4SENSE_CACHE": str(cache)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((again / "training-sensitivity.json").read_text())["views"] == \
+        result["views"]
+    assert "trial:block:1" in json.loads(cache_file.read_text())
+
+
+@pytest.mark.slow
+def test_train_trial_prints_its_arms_on_one_line(analysis, tiny_llama, text_file, tmp_path):
+    out, _, _ = analysis
+    proc = _run("train-trial", tiny_llama, "--policy", out / "training-policy.json",
+                "--steps", "3", "--text", text_file, "--analysis-windows", "4", "--tokens",
+                "48", "--eval-windows", "2", "--monitor-every", "2", "--out",
+                tmp_path / "trial", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1
+    arms = json.loads(lines[0])["arms"]
+    assert list(arms) == ["bf16", "all-fp4", "nvidia-rule", "policy"]
+    assert all(set(a) == {"loss", "se"} and a["loss"] > 0 for a in arms.values())
+    trial = json.loads((tmp_path / "trial" / "trial.json").read_text())
+    assert trial["differences"].keys() == {"all-fp4", "nvidia-rule", "policy"}
+    assert (tmp_path / "trial" / "loss-curves.png").is_file()
+    assert "## Stability" in (tmp_path / "trial" / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_bad_training_input_is_one_line_and_loses_nothing(analysis, tiny_llama, text_file,
+                                                          tmp_path):
+    out, _, _ = analysis
+    proc = _run("analyze-training", tiny_llama, "--bf16-share", "2")
+    assert proc.returncode == 2 and "--bf16-share" in proc.stderr
+    one_line(_run("analyze-training", tiny_llama, "--views", "block,layers", "--no-cache",
+                  "--out", tmp_path / "v"), 1, "--views", "layers")
+    one_line(_run("analyze-training", tiny_llama, "--text", text_file, *SMALL, "--no-cache",
+                  "--step-time-ms", "1e-9", "--out", tmp_path / "t"), 1, "below all-FP4")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "megatron.json").write_text("my own")
+    one_line(_run("analyze-training", tiny_llama, "--no-cache", "--out", mine), 1,
+             "megatron.json")
+    assert (mine / "megatron.json").read_text() == "my own"
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"recipe": "nvfp4", "choices": [{"unit": "0:x"}]}')
+    one_line(_run("train-trial", tiny_llama, "--policy", broken, "--out", tmp_path / "b"), 1,
+             str(broken), "analyze-training")
+    other = json.loads((out / "training-policy.json").read_text())
+    other["choices"][0]["modules"] = ["model.layers.0.attn.wq"]
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    one_line(_run("train-trial", tiny_llama, "--policy", tmp_path / "other.json", "--text",
+                  text_file, "--out", tmp_path / "o"), 1, "model.layers.0.attn.wq")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.slow
+def test_optimum_cli_and_a_moe_family_through_the_same_door(tiny_llama, text_file, tmp_path):
+    from families import make_family_model
+
+    assert _run("fp4sense", "analyze-training", "--help", exe=OPTIMUM_CLI).returncode == 0
+    model = make_family_model("qwen3_moe", tmp_path / "moe", tokenizer_from=tiny_llama)
+    from fp4sense.api import analyze_training
+
+    result = analyze_training(model, text=text_file, analysis_windows=2, window_tokens=32,
+                              seeds=1, cache=False, progress=False, log=lambda m: None)
+    kinds = {u["kind"] for u in result["units"]}
+    assert "mlp.experts" in kinds  # load_model's per-expert linears: emulated, one unit
+    assert result["left_in_bf16"] == ["lm_head"]
+    from fp4sense.training.exports import megatron_config
+
+    matchers = megatron_config(result["policy"])["te_precision_config"]["matchers"]
+    assert any(".mlp.experts.linear_fc" in m["pattern"] for m in matchers.values())
