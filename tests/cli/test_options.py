@@ -227,18 +227,26 @@ def test_window_defaults_are_the_definitions_everywhere():
 #: argument, the text's two flags, QAD's own definition, what --json decides)
 TABLES = {"QUANTIZE": ("quantize_model", {"model", "text", "distill", "progress", "log"}),
           "ANALYZE": ("analyze_model", {"model", "text", "progress", "log"}),
-          "EVAL": ("evaluate_checkpoint", {"checkpoint", "text", "progress", "log"})}
+          "EVAL": ("evaluate_checkpoint", {"checkpoint", "text", "progress", "log"}),
+          "ANALYZE_TRAINING": ("analyze_training", {"model", "text", "progress", "log"}),
+          "TRAIN_TRIAL": ("train_trial", {"model", "text", "progress", "log"})}
+
+
+def _table(name: str):
+    from fp4sense import options, options_training
+
+    return getattr(options, name, None) or getattr(options_training, name)
 
 
 @pytest.mark.parametrize("table", sorted(TABLES))
 def test_the_option_table_is_the_functions_signature(table):
     """Every keyword of the function is in its option table (or named above as the
     command line's own), and every option's default is the function's."""
-    from fp4sense import api, options
+    from fp4sense import api
 
     function, own = TABLES[table]
     signature = _signature_defaults(getattr(api, function))
-    rows = getattr(options, table)
+    rows = _table(table)
     keywords = [o.keyword for o in rows]
     assert len(keywords) == len(set(keywords)), "an option defined twice"
     import inspect
@@ -251,19 +259,20 @@ def test_the_option_table_is_the_functions_signature(table):
 
 
 @pytest.mark.parametrize("command,table", [("quantize", "QUANTIZE"), ("analyze", "ANALYZE"),
-                                           ("eval", "EVAL")])
+                                           ("eval", "EVAL"),
+                                           ("analyze-training", "ANALYZE_TRAINING"),
+                                           ("train-trial", "TRAIN_TRIAL")])
 def test_the_flags_are_generated_from_the_table(command, table):
     """Each option's flag exists with the table's help, default and type; the flags
     with no value say the function's default by being absent."""
     import argparse
 
-    from fp4sense import options
     from fp4sense.cli import COMMANDS
 
     parser = argparse.ArgumentParser()
     COMMANDS[command][1](parser)
     actions = {a.option_strings[0]: a for a in parser._actions if a.option_strings}
-    for option in getattr(options, table):
+    for option in _table(table):
         action = actions[option.flag]
         assert action.dest == option.keyword and option.help in action.help, option.flag
         if option.switch:
@@ -276,7 +285,8 @@ def test_the_flags_are_generated_from_the_table(command, table):
     ("quantize_model", "calib_windows", 0), ("quantize_model", "budget_bits", -1.0),
     ("quantize_model", "select_plans", 1.5), ("quantize_model", "eval_windows", "8"),
     ("analyze_model", "analysis_windows", 0), ("analyze_model", "window_tokens", True),
-    ("evaluate_checkpoint", "eval_windows", -2)])
+    ("evaluate_checkpoint", "eval_windows", -2), ("analyze_training", "bf16_share", 2.0),
+    ("analyze_training", "seeds", 0), ("train_trial", "steps", 0)])
 def test_the_functions_refuse_what_the_flags_refuse(function, keyword, bad, tmp_path):
     """A keyword out of range is one InputError naming it, before anything is read or
     written (the flags' parser checks it; the same check runs on the function's value)."""
@@ -285,7 +295,10 @@ def test_the_functions_refuse_what_the_flags_refuse(function, keyword, bad, tmp_
 
     given = {"quantize_model": dict(out_dir=tmp_path / "out", budget_bits=5.0),
              "analyze_model": dict(out_dir=tmp_path / "out"),
-             "evaluate_checkpoint": dict(checkpoint=tmp_path / "missing")}[function]
+             "evaluate_checkpoint": dict(checkpoint=tmp_path / "missing"),
+             "analyze_training": dict(out_dir=tmp_path / "out"),
+             "train_trial": dict(policy=tmp_path / "p.json", out_dir=tmp_path / "out")
+             }[function]
     with pytest.raises(InputError, match=rf"{function}\({keyword}="):
         getattr(api, function)(**{**given, keyword: bad})
     assert not (tmp_path / "out").exists()

@@ -32,9 +32,10 @@ def test_top_level_holds_only_front_doors_and_edges():
     top = sorted(p.name for p in SRC.glob("*.py"))
     # the front doors (api, __main__) and what they share without importing a stage:
     # validate (flag checks, UserError), defaults (the shared default values) and
-    # options (every option of analyze, quantize and eval, defined once)
+    # options (every option of analyze, quantize and eval, defined once) and
+    # options_training (those of the FP4 training commands, defined the same way)
     assert top == ["__init__.py", "__main__.py", "api.py", "defaults.py", "options.py",
-                   "validate.py"]
+                   "options_training.py", "validate.py"]
 
 
 #: 0.4's module paths (aliases in 0.5, announced for removal in 0.6)
@@ -119,7 +120,11 @@ def test_the_api_is_a_lazy_table_of_the_commands():
              "check_folder": "fp4sense.publishing.hub", "push": "fp4sense.publishing.hub",
              "convert_gguf": "fp4sense.inputs.gguf", "ensure_assets": "fp4sense.inputs.assets",
              "load_model": "fp4sense.inputs.models",
-             "analysis_windows": "fp4sense.inputs.models"}
+             "analysis_windows": "fp4sense.inputs.models",
+             "analyze_training": "fp4sense.jobs.analyze_training",
+             "train_trial": "fp4sense.jobs.train_trial",
+             "apply_training_policy": "fp4sense.numerics.training_linear",
+             "FP4TrainingMonitor": "fp4sense.training.callback"}
     assert set(api.__all__) == set(where) | {"BUNDLED_MODEL_NOTE"}
     for name, module in where.items():
         assert getattr(api, name).__module__ == module, name

@@ -1,8 +1,10 @@
 """FP4 training: which layers, and which of their GEMMs (fprop, dgrad, wgrad), can train
 in NVFP4 / MXFP4. The estimate from a few forward/backward passes (``estimate``), short
 training trials that measure it and the arms that validate a policy (``trials``), the
-policy under a BF16-share or step-time budget (``policy``) and its exports for
-Transformer Engine, Megatron-LM, torchao and torchtitan (``exports``).
+block, component and GEMM views with their rank correlation (``views``), the policy under
+a BF16-share or step-time budget (``policy``), its exports for Transformer Engine,
+Megatron-LM, torchao and torchtitan (``exports``), and the stability monitor in a
+transformers Trainer (``callback``).
 
 Above the numerics it uses (:mod:`fp4sense.numerics.training`,
 :mod:`fp4sense.numerics.training_linear`) and the model's structure; beneath the reports
