@@ -1,9 +1,10 @@
-"""The ``fp4sense`` command line: one argument function per command (``arguments``,
-reused by ``optimum-cli fp4sense``) and the actions with one error-to-exit-code mapping
+"""The ``fp4sense`` command line: one argument function per command (``arguments``, reused
+by ``optimum-cli fp4sense``) and the actions with one error-to-exit-code mapping
 (``commands``; the FP4 training commands' in ``training``), its streams (``streams``:
-the ``--json`` stdout, a one-line Ctrl-C or SIGTERM), and docs/cli.md's option
-reference generated from the parsers (``reference``). A new command is one entry in ``commands.COMMANDS``; the options of
-analyze, quantize and eval are defined once in :mod:`fp4sense.options`."""
+the ``--json`` stdout, a one-line Ctrl-C or SIGTERM), and docs/cli.md's option reference
+generated from the parsers (``reference``). A new command is one entry in
+``commands.COMMANDS``; the options of analyze, quantize and eval are defined once in
+:mod:`fp4sense.options`."""
 
 from fp4sense.cli.commands import (
     COMMANDS,
