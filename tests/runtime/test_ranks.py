@@ -245,3 +245,27 @@ def test_quantize_low_memory_plans_what_the_whole_model_plans(quantized, tiny_ll
     a = json.loads((quantized / "sensitivity.json").read_text())["entries"]
     b = json.loads((out / "sensitivity.json").read_text())["entries"]
     assert a == b
+
+
+@pytest.mark.slow
+def test_two_ranks_share_the_training_trials(tiny_llama, text_file, tmp_path):
+    """analyze-training under torchrun: the ranks share the trial arms and rank 0 writes
+    the one-rank figures (the same arms, data order and seeds, run on another rank)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = ["analyze-training", str(tiny_llama), "--text", str(text_file),
+            "--analysis-windows", "3", "--tokens", "48", "--eval-windows", "2", "--mode",
+            "both", "--views", "block,gemm", "--trial-steps", "2", "--no-cache",
+            "--no-plots"]
+    outs = {}
+    for ranks in (1, 2):
+        out = tmp_path / f"r{ranks}"
+        cmd = ([FP4SENSE] if ranks == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+            f"--master-port={_free_port()}", "-m", "fp4sense"]) + args + ["--out", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outs[ranks] = json.loads((out / "training-sensitivity.json").read_text())
+    for view in ("block", "gemm"):
+        one = [r["measured"]["delta"] for r in outs[1]["views"][view]]
+        two = [r["measured"]["delta"] for r in outs[2]["views"][view]]
+        assert two == pytest.approx(one, abs=2e-4), view  # 1 thread vs 2: summation order

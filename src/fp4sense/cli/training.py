@@ -39,6 +39,10 @@ def run_analyze_training(args: argparse.Namespace) -> int:
     result = analyze_training(args.model, text=text_source(args),
                               **options.keywords(args, options_training.ANALYZE_TRAINING),
                               progress=not args.json, log=_log(args))
+    from fp4sense.runtime import distributed
+
+    if not distributed.is_main():  # rank 0 speaks for a torchrun launch
+        return EXIT_OK
     lines = findings(result, result["policy"])
     if args.json:
         emit_json({"out": str(args.out_dir), "findings": lines,

@@ -77,7 +77,8 @@ def analyze_training(
     cache_folder = check_analysis_output(out_dir, cache, local_inputs(
         model or default_model_path(), text), "training", TRAINING_FILES)
     distributed.init_from_env(placement.device)
-    progress = progress and distributed.is_main()
+    if not distributed.is_main():  # rank 0 speaks for the run
+        progress, log = False, (lambda message: None)
     hf_model, tokenizer, _ = load_model(model, placement.dtype, placement.device)
     context = model_context(hf_model.config)
     train = protocol_windows(tokenizer, "calibration", analysis_windows, text, window_tokens,

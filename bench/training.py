@@ -1,0 +1,81 @@
+"""FP4 training on the bundled SmolLM2-135M: analyze-training in both modes (the estimate
+and short trials per block, component and GEMM, with their rank correlation), then
+train-trial of its policy against all-BF16, all-FP4 and NVIDIA's rule from one start.
+
+    .venv/bin/python -m bench training [--windows 4] [--tokens 256] [--trial-steps 4]
+        [--seeds 2] [--steps 16] [--recipe nvfp4]
+
+Writes bench/results/training.json (the figures, the wall times) and
+bench/results/training-report.md (analyze-training's report.md, the tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.harness import RESULTS, command
+
+FP4SENSE = str(Path(sys.executable).parent / "fp4sense")
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--windows", type=int, default=4, help="analysis windows")
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--trial-steps", type=int, default=4)
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=16, help="train-trial steps")
+    parser.add_argument("--recipe", default="nvfp4")
+
+
+def _timed(cmd: list[str]) -> tuple[float, str]:
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(proc.stderr[-3000:])
+    return time.perf_counter() - t, proc.stdout
+
+
+def run(args: argparse.Namespace) -> int:
+    work = Path(tempfile.mkdtemp(prefix="fp4sense-training-"))
+    size = ["--analysis-windows", str(args.windows), "--tokens", str(args.tokens),
+            "--seeds", str(args.seeds)]
+    analysis_s, _ = _timed([FP4SENSE, "analyze-training", *size, "--recipe", args.recipe,
+                            "--mode", "both", "--trial-steps", str(args.trial_steps),
+                            "--out", str(work / "a"), "--no-cache", "--json"])
+    result = json.loads((work / "a" / "training-sensitivity.json").read_text())
+    policy = json.loads((work / "a" / "training-policy.json").read_text())
+    trial_s, line = _timed([FP4SENSE, "train-trial", "--policy",
+                            str(work / "a" / "training-policy.json"), "--steps",
+                            str(args.steps), *size, "--out", str(work / "t"), "--json"])
+    trial = json.loads((work / "t" / "trial.json").read_text())
+    blocks = result["views"]["block"]
+    out = {"command": command("training", args.argv), "model": result["model"],
+           "recipe": result["recipe"], "analysis_s": round(analysis_s, 1),
+           "train_trial_s": round(trial_s, 1),
+           "rank_correlation": result["rank_correlation"],
+           "blocks_by_estimate": [r["block"] for r in sorted(
+               blocks, key=lambda r: -r["damage"]["total"])],
+           "blocks_by_trial": [r["block"] for r in sorted(
+               blocks, key=lambda r: -r["measured"]["delta"])],
+           "gemm_view": result["views"]["gemm"], "component_view": result["views"]["component"],
+           "policy": {k: policy[k] for k in ("predicted_damage", "cost_s",
+                                             "bf16_flops_share", "budget", "nvidia_rule")},
+           "policy_gemms": {p: sum(1 for c in policy["choices"] for g in c["gemms"].values()
+                                   if g == p) for p in policy["options"]},
+           "train_trial": {"arms": json.loads(line)["arms"],
+                           "differences": trial["differences"],
+                           "stop_helping": trial["stop_helping"],
+                           "events": {n: a["events"] for n, a in trial["arms"].items()}}}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "training.json").write_text(json.dumps(out, indent=1))
+    shutil.copy(work / "a" / "report.md", RESULTS / "training-report.md")
+    print(json.dumps({k: out[k] for k in ("analysis_s", "train_trial_s", "rank_correlation",
+                                          "train_trial")}, indent=1))
+    return 0
