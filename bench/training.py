@@ -3,7 +3,9 @@ and short trials per block, component and GEMM, with their rank correlation), th
 train-trial of its policy against all-BF16, all-FP4 and NVIDIA's rule from one start.
 
     .venv/bin/python -m bench training [--windows 4] [--tokens 256] [--trial-steps 4]
-        [--seeds 2] [--steps 16] [--recipe nvfp4]
+        [--seeds 2] [--steps 8] [--monitor-every 4] [--recipe nvfp4]
+
+The analysis uses the fp4sense cache: a run stopped in its trials resumes.
 
 Writes bench/results/training.json (the figures, the wall times) and
 bench/results/training-report.md (analyze-training's report.md, the tables).
@@ -30,7 +32,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--trial-steps", type=int, default=4)
     parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=16, help="train-trial steps")
+    parser.add_argument("--steps", type=int, default=8, help="train-trial steps")
+    parser.add_argument("--monitor-every", type=int, default=4)
     parser.add_argument("--recipe", default="nvfp4")
 
 
@@ -48,12 +51,13 @@ def run(args: argparse.Namespace) -> int:
             "--seeds", str(args.seeds)]
     analysis_s, _ = _timed([FP4SENSE, "analyze-training", *size, "--recipe", args.recipe,
                             "--mode", "both", "--trial-steps", str(args.trial_steps),
-                            "--out", str(work / "a"), "--no-cache", "--json"])
+                            "--out", str(work / "a"), "--json"])
     result = json.loads((work / "a" / "training-sensitivity.json").read_text())
     policy = json.loads((work / "a" / "training-policy.json").read_text())
     trial_s, line = _timed([FP4SENSE, "train-trial", "--policy",
                             str(work / "a" / "training-policy.json"), "--steps",
-                            str(args.steps), *size, "--out", str(work / "t"), "--json"])
+                            str(args.steps), "--monitor-every", str(args.monitor_every),
+                            *size, "--out", str(work / "t"), "--json"])
     trial = json.loads((work / "t" / "trial.json").read_text())
     blocks = result["views"]["block"]
     out = {"command": command("training", args.argv), "model": result["model"],
