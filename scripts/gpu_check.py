@@ -27,7 +27,8 @@ Tolerances, and why:
   near-ties can route a token differently on two devices), quantized on the
   device at 5.0 bits, the checkpoint's KL on both within 5%.
 
-``--parts`` picks parts (default: all): protocol, checkpoint, rotated, formats, moe.
+``--parts`` picks parts (default: all): protocol, checkpoint, rotated, formats, moe,
+training (analyze-training on the device against the CPU, and a short train-trial).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def _table(report, view, mode) -> dict[str, float]:
             if e.view == view and e.mode == mode and e.scheme == "NVFP4"}
 
 
-PARTS = ("protocol", "checkpoint", "rotated", "formats", "moe")
+PARTS = ("protocol", "checkpoint", "rotated", "formats", "moe", "training")
 #: every kind of scheme: FP4 both formats, weight-only, rotated, searched, FP8 and INT
 FORMATS = ["NVFP4", "NVFP4A16", "NVFP4_SEARCH", "MXFP4", "MXFP4A16", "NVFP4_H16",
            "MXFP4_H32", "MXFP4A16_H64", "FP8_DYNAMIC", "INT8", "INT4"]
@@ -118,6 +119,37 @@ def _formats(dev: str, out: Path, results: dict) -> None:
             results["eval_mx_gptq"] = {k: ev[k] for k in ("kl", "kl_se", "ppl", "top1")}
             results["checks"]["MX plan + GPTQ: KL below uniform MXFP4 RTN"] = (
                 ev["kl"], math.isfinite(ev["kl"]) and ev["kl"] < UNIFORM_MXFP4_RTN_KL)
+
+
+def _training(dev: str, out: Path, results: dict) -> None:
+    """analyze-training (estimate and trials per GEMM) on the device and on the CPU, and a
+    short train-trial of its policy on the device: the estimate's figures agree, the
+    arms' losses are finite."""
+    import math
+
+    from fp4sense.api import analyze_training, train_trial
+
+    common = dict(analysis_windows=4, window_tokens=256, seeds=2, views=["gemm"],
+                  modes=["estimated", "measured"], trial_steps=4, cache=False,
+                  plots=False, progress=False, dtype="float32")
+    runs = {d: _step(f"analyze-training {d}", d, lambda d=d: analyze_training(
+        device=d, out_dir=out / f"training-{d.replace(':', '')}", **common), results)
+        for d in ("cpu", dev)}
+    if all(runs.values()):
+        a, b = ({u["name"]: u["gemms"]["wgrad"]["rel_error"] for u in runs[d]["units"]}
+                for d in ("cpu", dev))
+        worst = max(abs(a[n] - b[n]) / a[n] for n in a)
+        results["checks"]["analyze-training: wgrad errors, device vs CPU (relative)"] = (
+            worst, worst < 0.05)
+    trial = _step(f"train-trial {dev}", dev, lambda: train_trial(
+        policy=out / f"training-{dev.replace(':', '')}" / "training-policy.json", steps=8,
+        analysis_windows=8, window_tokens=256, device=dev, dtype="float32",
+        out_dir=out / "trial", progress=False), results) if runs[dev] else None
+    if trial is not None:
+        losses = [a["loss"] for a in trial["arms"].values()]
+        results["train_trial"] = {n: a["loss"] for n, a in trial["arms"].items()}
+        results["checks"]["train-trial: four arms, finite losses"] = (
+            float(len(losses)), len(losses) == 4 and all(map(math.isfinite, losses)))
 
 
 def _moe(dev: str, out: Path, results: dict) -> None:
@@ -199,6 +231,8 @@ def main() -> int:
         _formats(dev, args.out, results)
     if "moe" in parts:
         _moe(dev, args.out, results)
+    if "training" in parts:
+        _training(dev, args.out, results)
     passed = not results["errors"] and all(ok for _, ok in results["checks"].values())
     results["passed"] = passed
     _save(results)

@@ -79,7 +79,7 @@ def test_budget_ends_and_bad_budgets():
     assert {p for c in all_fp4["choices"] for p in c["gemms"].values()} == {"nvfp4"}
     half = solve_policy(fp4, None, "nvfp4", 1024, bf16_share=0.5)
     assert 0 < half["bf16_flops_share"] <= 0.5 + 1e-9
-    with pytest.raises(InputError, match="below all-FP4"):
+    with pytest.raises(InputError, match="below the least this model allows"):
         solve_policy(fp4, None, "nvfp4", 1024, step_time_s=1e-12)
     with pytest.raises(InputError, match="unknown Blackwell part"):
         solve_policy(fp4, None, "nvfp4", 1024, part="h100")
@@ -89,9 +89,9 @@ def test_budget_ends_and_bad_budgets():
 
 def test_nvidias_rule_is_the_papers():
     """12B (62 blocks, 16% of the linears in BF16): the first 2 and the last 8 blocks."""
-    rule = nvidia_rule(_units(62), "nvfp4", 1024, "b200", 0.16)
+    rule = nvidia_rule(_units(62), "nvfp4", 1024, "b200", 0.0, 0.16)
     assert rule["bf16_blocks"] == [0, 1, *range(54, 62)]
-    assert nvidia_rule(_units(30), "nvfp4", 1024, "b200", 0.15)["bf16_blocks"] == \
+    assert nvidia_rule(_units(30), "nvfp4", 1024, "b200", 0.0, 0.15)["bf16_blocks"] == \
         [26, 27, 28, 29]
 
 
@@ -199,3 +199,44 @@ def test_torchao_filter_runs_in_torchaos_quantize(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     plain = set(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert plain == kept  # exactly the kept linears escaped quantize_
+
+
+def test_units_the_recipe_cannot_train_stay_bf16_and_bound_the_share():
+    """A linear whose width the recipe's blocks do not divide (TE refuses it) is named,
+    kept in BF16 in the policy and under NVIDIA's rule, and a share below what it forces
+    is one line giving the smallest feasible share."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fp4sense.structure.units import find_units
+    from fp4sense.training.estimate import estimate_training, not_eligible, training_units
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=200,
+                                         num_hidden_layers=2, num_attention_heads=2,
+                                         num_key_value_heads=1, head_dim=32))
+    ids = torch.randint(0, 512, (2, 32))
+    units = find_units(model, ids[:1, :16])
+    skipped = not_eligible(training_units(units, model), "nvfp4")
+    assert set(skipped) == {"0:mlp.gate_proj+up_proj", "0:mlp.down_proj",
+                            "1:mlp.gate_proj+up_proj", "1:mlp.down_proj"}
+    assert "width 200 is not a multiple of nvfp4's block of 16" in skipped["0:mlp.down_proj"]
+    est = estimate_training(model, ids, units, "nvfp4", 1)
+    assert {e.name for e in est}.isdisjoint(skipped)
+    fixed = []
+    for u in units.units:
+        if u.name in skipped:
+            e = UnitEstimate(u.name, u.block, u.kind, u.modules, 2 * sum(
+                i * o for i, o in zip(u.inputs, u.out_features, strict=True)))
+            e.gemms = {g: GemmError(0.0) for g in GEMMS}
+            fixed.append(e)
+    least = sum(e.flops_per_token for e in fixed) / sum(
+        e.flops_per_token for e in (*est, *fixed))
+    with pytest.raises(InputError, match=f"smallest feasible --bf16-share is {least:.4f}"):
+        solve_policy(est, None, "nvfp4", 4096, bf16_share=least / 2, fixed=fixed)
+    policy = solve_policy(est, None, "nvfp4", 4096, bf16_share=min(1.0, least + 0.1),
+                          fixed=fixed)
+    mlp = [c for c in policy["choices"] if c["unit"] in skipped]
+    assert len(mlp) == 4 and all(set(c["gemms"].values()) == {"bf16"} for c in mlp)
+    assert all(set(policy_linears(policy, rule=True)[m].values()) == {"bf16"}
+               for c in mlp for m in c["modules"])

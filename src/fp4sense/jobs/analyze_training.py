@@ -29,7 +29,13 @@ from fp4sense.runtime.devices import resolve
 from fp4sense.runtime.outputs import check_analysis_output, local_inputs, record_written
 from fp4sense.structure.lineage import text_name
 from fp4sense.structure.units import find_units, model_fingerprint, model_name
-from fp4sense.training.estimate import estimate_training, training_units
+from fp4sense.training.estimate import (
+    GemmError,
+    UnitEstimate,
+    estimate_training,
+    not_eligible,
+    training_units,
+)
 from fp4sense.training.exports import EXPORTS, write_exports
 from fp4sense.training.policy import solve_policy
 from fp4sense.training.trials import Arm, paired_differences, run_trials
@@ -101,6 +107,10 @@ def analyze_training(
         measured = _trials(hf_model, train, held, units, r.name, views, store, seeds,
                            trial_steps, trial_lr, progress)
     estimates = _estimates(est)
+    skipped = not_eligible(units, r)
+    for name, why in skipped.items():
+        log(f"note: {name} stays BF16: {why}")
+    fixed = [_bf16(u) for u in units if u.name in skipped]
     view_rows = build_views(estimates, views, measured)
     result = {"version": 1, "model": model_name(hf_model, model or ""), "recipe": r.name,
               "recipe_source": r.source, "knobs": {"rht": r.rht, "stochastic_rounding":
@@ -112,21 +122,28 @@ def analyze_training(
               if measured else None,
               "units": est, "views": view_rows, "rank_correlation": rank_correlations(
                   view_rows),
+              "not_eligible": skipped,
               "left_in_bf16": sorted(m for u in units_map.units if u not in units
                                      for m in u.modules[:1]) + units_map.outside
               + sorted(units_map.unaccounted)}
     policy = solve_policy(estimates, _estimates(est8) if est8 else None, r.name,
                           tokens_per_step, part, None if step_time_ms else bf16_share,
-                          step_time_ms / 1e3 if step_time_ms else None)
+                          step_time_ms / 1e3 if step_time_ms else None, fixed)
     result["policy"] = policy
     if out_dir is not None and distributed.is_main():
         _write(Path(out_dir), result, policy, plots, log)
     return result
 
 
-def _estimates(rows: list[dict]):
-    from fp4sense.training.estimate import GemmError, UnitEstimate
+def _bf16(unit) -> UnitEstimate:
+    """A unit the recipe cannot train, as the policy counts it (BF16, no damage)."""
+    e = UnitEstimate(unit.name, unit.block, unit.kind, unit.modules, 2 * sum(
+        i * o for i, o in zip(unit.inputs, unit.out_features, strict=True)))
+    e.gemms = {g: GemmError(0.0) for g in ("fprop", "dgrad", "wgrad")}
+    return e
 
+
+def _estimates(rows: list[dict]):
     out = []
     for d in rows:
         e = UnitEstimate(d["name"], d["block"], d["kind"], tuple(d["modules"]),
@@ -189,12 +206,24 @@ class _Store:
         return self.data[name]
 
 
+def _notes(path: Path) -> list[str]:
+    if path.suffix == ".yaml":
+        return [ln[2:] for ln in path.read_text().splitlines()[1:] if ln.startswith("# ")]
+    data = json.loads(path.read_text())
+    return [n for n in data.get("notes", []) if "match by substring" not in n]
+
+
 def _write(out: Path, result: dict, policy: dict, plots: bool, log) -> None:
     out.mkdir(parents=True, exist_ok=True)
     body = {k: v for k, v in result.items() if k != "policy"}
     (out / "training-sensitivity.json").write_text(json.dumps(body, indent=1))
     (out / "training-policy.json").write_text(json.dumps(policy, indent=1))
     exports = [p.name for p in write_exports(policy, out)]
+    for name in exports:  # what an export could not say: one line each, the file notes all
+        notes = _notes(out / name)
+        if notes:
+            log(f"note: {name}: {len(notes)} thing(s) the tool cannot express, e.g. "
+                f"{notes[0]}")
     pngs = plot_training_views(out, result) if plots else []
     write_training_report(out, result, policy, exports, plots)
     written = ["training-sensitivity.json", "training-policy.json", "report.md", *exports,

@@ -96,6 +96,9 @@ def write_training_report(folder: Path, result: dict, policy: dict | None,
                      f"{_fmt(g['dgrad']['rel_error'])} | {_fmt(g['wgrad']['rel_error'])} | "
                      f"{_fmt(g['wgrad'].get('cosine'))} | {_fmt(g['wgrad'].get('bias'))} | "
                      f"{_fmt(u['nsr'])} |")
+    if result.get("not_eligible"):
+        lines += ["", "Not eligible for the recipe (BF16 in every policy): " + "; ".join(
+            f"{u} ({why})" for u, why in result["not_eligible"].items())]
     if result.get("left_in_bf16"):
         lines += ["", "Left in BF16 (not emulated): " + ", ".join(result["left_in_bf16"])]
     if policy:

@@ -32,7 +32,8 @@ from fp4sense.numerics.training import Recipe, get_recipe
 from fp4sense.numerics.training_linear import EmulatedLinear, gemm_operands
 from fp4sense.structure.units import UnitMap
 
-__all__ = ["NSR_LIMIT", "GemmError", "UnitEstimate", "estimate_training", "training_units"]
+__all__ = ["NSR_LIMIT", "GemmError", "UnitEstimate", "estimate_training", "not_eligible",
+           "training_units"]
 
 _LINEARS = (torch.nn.Linear, EmulatedLinear)
 #: above this noise-to-signal ratio of a layer's gradient, FP4 stops helping (1/√3)
@@ -123,6 +124,21 @@ def training_units(units: UnitMap, model: torch.nn.Module) -> list:
                                           for m in u.modules)]
 
 
+def not_eligible(units, recipe: str | Recipe) -> dict[str, str]:
+    """unit name -> why ``recipe`` cannot train it: a width its blocks do not divide
+    (each GEMM reduces along one of the linear's two widths; TE and torchao refuse such
+    a linear, so it stays in high precision)."""
+    r = get_recipe(recipe)
+    out = {}
+    for u in units:
+        widths = {*u.inputs, *u.out_features}
+        bad = sorted(w for w in widths if r.element is not None and w % r.block)
+        if bad:
+            out[u.name] = (f"width {bad[0]} is not a multiple of {r.name}'s block of "
+                           f"{r.block}")
+    return out
+
+
 def estimate_training(model: torch.nn.Module, windows: torch.Tensor, units: UnitMap,
                       recipe: str | Recipe, seeds: int = 2,
                       progress: Callable[[int], None] | None = None) -> list[UnitEstimate]:
@@ -131,6 +147,8 @@ def estimate_training(model: torch.nn.Module, windows: torch.Tensor, units: Unit
     step's). The model's parameters are left as they were (gradients cleared)."""
     recipe = get_recipe(recipe)
     trained = training_units(units, model)
+    skip = not_eligible(trained, recipe)
+    trained = [u for u in trained if u.name not in skip]
     sums = {m: _Sums() for u in trained for m in u.modules}
     originals = {m: model.get_submodule(m).__dict__.get("forward") for m in sums}
     draw = {"generator": None}  # this seed's stochastic rounding

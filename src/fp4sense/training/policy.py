@@ -52,46 +52,55 @@ def _check(recipe: str, part: str, share: float | None) -> None:
         raise InputError(f"--bf16-share {share}: a share of the GEMM FLOPs, from 0 to 1")
 
 
-def _damage(est: UnitEstimate | None, gemm: str) -> float:
-    return 0.0 if est is None else est.gemms[gemm].damage
-
-
 def solve_policy(fp4: Sequence[UnitEstimate], mxfp8: Sequence[UnitEstimate] | None,
                  recipe: str, tokens: int, part: str = defaults.BLACKWELL_PART,
                  bf16_share: float | None = DEFAULT_BF16_SHARE,
-                 step_time_s: float | None = None) -> dict:
+                 step_time_s: float | None = None,
+                 fixed: Sequence[UnitEstimate] = ()) -> dict:
     """The policy (training-policy.json's content) for units estimated under the FP4
-    ``recipe`` (``fp4``) and MXFP8 (``mxfp8``; None: not offered), ``tokens`` per step.
-    The budget: ``step_time_s`` of the linear GEMMs, else ``bf16_share``."""
+    ``recipe`` (``fp4``) and MXFP8 (``mxfp8``; None: not offered), ``tokens`` per step;
+    ``fixed``: units the recipe cannot train (kept in BF16, their time counted). The
+    budget: ``step_time_s`` of the linear GEMMs, else ``bf16_share``."""
     _check(recipe, part, None if step_time_s is not None else bf16_share)
     options = ["bf16", recipe] + (["mxfp8"] if mxfp8 is not None else [])
     by8 = {e.name: e for e in mxfp8 or []}
-    total_flops = sum(e.flops_per_token for e in fp4) * tokens  # one GEMM kind's
+    fixed_flops = sum(e.flops_per_token for e in fixed) * tokens
+    total_flops = sum(e.flops_per_token for e in fp4) * tokens + fixed_flops  # one GEMM's
     if step_time_s is None:
         step_time_s = 3 * (_seconds(total_flops * bf16_share, "bf16", part) +
                            _seconds(total_flops * (1 - bf16_share), recipe, part))
-    lowest = 3 * _seconds(total_flops, recipe, part)
+    kept = 3 * _seconds(fixed_flops, "bf16", part)
+    lowest = kept + 3 * _seconds(total_flops - fixed_flops, recipe, part)
     if step_time_s < lowest * (1 - 1e-9):
-        raise InputError(f"a step time of {step_time_s * 1e3:.4g} ms is below all-FP4's "
-                         f"{lowest * 1e3:.4g} ms on {part}: give more")
-    keys, cost, damage = [], [], []
+        least = fixed_flops / total_flops if total_flops else 0.0
+        raise InputError(
+            f"a budget of {step_time_s * 1e3:.4g} ms is below the least this model allows on "
+            f"{part}, {lowest * 1e3:.4g} ms" + (
+                f" ({len(fixed)} unit(s) the recipe cannot train stay BF16, e.g. "
+                f"{fixed[0].name}): the smallest feasible --bf16-share is {least:.4f}"
+                if fixed else " (all FP4): give more"))
+    keys, cost, damage, groups = [], [], [], []
     for e in fp4:
         for g in GEMMS:
+            groups.append([])
             for p in options:
+                if p == "mxfp8" and e.name not in by8:  # MXFP8's blocks do not fit it
+                    continue
+                groups[-1].append(len(keys))
                 keys.append((e.name, g, p))
                 cost.append(_seconds(e.flops_per_token * tokens, p, part))
-                damage.append(0.0 if p == "bf16" else _damage(by8.get(e.name), g)
+                damage.append(0.0 if p == "bf16" else by8[e.name].gemms[g].damage
                               if p == "mxfp8" else e.gemms[g].damage)
-    n, k = len(keys), len(options)
-    one_each = np.zeros((n // k, n))
-    for i in range(n // k):
-        one_each[i, i * k:(i + 1) * k] = 1
+    n = len(keys)
+    one_each = np.zeros((len(groups), n))
+    for i, members in enumerate(groups):
+        one_each[i, members] = 1
     unit = 3 * _seconds(total_flops, "bf16", part) or 1.0  # all-BF16 time: HiGHS's
     # tolerances are absolute, so costs are solved as shares of it, not as seconds
     res = milp(c=np.array(damage), integrality=np.ones(n), bounds=Bounds(0, 1),
                constraints=[LinearConstraint(one_each, 1, 1),
                             LinearConstraint(np.array([cost]) / unit, -np.inf,
-                                             step_time_s / unit * (1 + 1e-9))])
+                                             (step_time_s - kept) / unit * (1 + 1e-9))])
     if res.x is None:  # pragma: no cover - all-FP4 is always feasible above
         raise InputError(f"no policy fits {step_time_s * 1e3:.4g} ms ({res.message})")
     picked = {keys[i]: (cost[i], damage[i]) for i in np.flatnonzero(res.x > 0.5)}
@@ -103,8 +112,15 @@ def solve_policy(fp4: Sequence[UnitEstimate], mxfp8: Sequence[UnitEstimate] | No
         choices.append({"unit": e.name, "block": e.block, "kind": e.kind,
                         "modules": list(e.modules), "gemms": {g: gemms[g] for g in GEMMS},
                         "cost_s": c, "damage": d})
-    bf16_flops = sum(e.flops_per_token * tokens for e, ch in zip(fp4, choices, strict=True)
-                     for g in GEMMS if ch["gemms"][g] == "bf16")
+    for e in fixed:  # not eligible: BF16, named
+        choices.append({"unit": e.name, "block": e.block, "kind": e.kind,
+                        "modules": list(e.modules), "gemms": {g: "bf16" for g in GEMMS},
+                        "cost_s": 3 * _seconds(e.flops_per_token * tokens, "bf16", part),
+                        "damage": 0.0, "not_eligible": True})
+    choices.sort(key=lambda c: (c["block"], c["unit"]))
+    flops = {e.name: e.flops_per_token * tokens for e in (*fp4, *fixed)}
+    bf16_flops = sum(flops[ch["unit"]] for ch in choices for g in GEMMS
+                     if ch["gemms"][g] == "bf16")
     return {"recipe": recipe, "part": part, "part_source": PARTS[part][1],
             "tokens_per_step": tokens,
             "budget": {"step_time_s": step_time_s, "bf16_share": bf16_share,
@@ -114,7 +130,7 @@ def solve_policy(fp4: Sequence[UnitEstimate], mxfp8: Sequence[UnitEstimate] | No
             "cost_s": sum(ch["cost_s"] for ch in choices),
             "predicted_damage": sum(ch["damage"] for ch in choices),
             "bf16_flops_share": bf16_flops / (3 * total_flops) if total_flops else 0.0,
-            "nvidia_rule": nvidia_rule(fp4, recipe, tokens, part, _share(
+            "nvidia_rule": nvidia_rule(fp4, recipe, tokens, part, kept, _share(
                 step_time_s, total_flops, recipe, part) if bf16_share is None else bf16_share)}
 
 
@@ -125,14 +141,14 @@ def _share(step_time_s: float, flops: float, recipe: str, part: str) -> float:
 
 
 def nvidia_rule(fp4: Sequence[UnitEstimate], recipe: str, tokens: int, part: str,
-                share: float) -> dict:
+                kept_s: float, share: float) -> dict:
     """Whole blocks in BF16 at ``share`` of the blocks (at least one), a fifth of them
     first and the rest last; its cost and predicted damage."""
     blocks = sorted({e.block for e in fp4})
     n = max(1, round(share * len(blocks))) if share > 0 else 0
     first = n // 5
     kept = set(blocks[:first]) | set(blocks[len(blocks) - (n - first):] if n - first else [])
-    cost = damage = 0.0
+    cost, damage = kept_s, 0.0  # units the recipe cannot train: BF16 under the rule too
     for e in fp4:
         p = "bf16" if e.block in kept else recipe
         cost += 3 * _seconds(e.flops_per_token * tokens, p, part)
@@ -147,8 +163,8 @@ def policy_linears(policy: dict, rule: bool = False) -> dict[str, dict[str, str]
     out = {}
     kept = set(policy["nvidia_rule"]["bf16_blocks"]) if rule else None
     for ch in policy["choices"]:
-        gemms = ({g: ("bf16" if ch["block"] in kept else policy["recipe"]) for g in GEMMS}
-                 if rule else ch["gemms"])
+        gemms = ({g: ("bf16" if ch["block"] in kept or ch.get("not_eligible") else
+                      policy["recipe"]) for g in GEMMS} if rule else ch["gemms"])
         for m in ch["modules"]:
             out[m] = dict(gemms)
     return out
