@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=8, help="train-trial steps")
     parser.add_argument("--monitor-every", type=int, default=4)
     parser.add_argument("--recipe", default="nvfp4")
+    parser.add_argument("--estimate-only", action="store_true",
+                        help="the estimate and the policy only: no trials, no train-trial")
 
 
 def _timed(cmd: list[str]) -> tuple[float, str]:
@@ -49,37 +50,44 @@ def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="fp4sense-training-"))
     size = ["--analysis-windows", str(args.windows), "--tokens", str(args.tokens),
             "--seeds", str(args.seeds)]
+    mode = "estimated" if args.estimate_only else "both"
     analysis_s, _ = _timed([FP4SENSE, "analyze-training", *size, "--recipe", args.recipe,
-                            "--mode", "both", "--trial-steps", str(args.trial_steps),
+                            "--mode", mode, "--trial-steps", str(args.trial_steps),
                             "--out", str(work / "a"), "--json"])
     result = json.loads((work / "a" / "training-sensitivity.json").read_text())
     policy = json.loads((work / "a" / "training-policy.json").read_text())
-    trial_s, line = _timed([FP4SENSE, "train-trial", "--policy",
-                            str(work / "a" / "training-policy.json"), "--steps",
-                            str(args.steps), "--monitor-every", str(args.monitor_every),
-                            *size, "--out", str(work / "t"), "--json"])
-    trial = json.loads((work / "t" / "trial.json").read_text())
+    trial_s, line, trial = None, None, None
+    if not args.estimate_only:
+        trial_s, line = _timed([FP4SENSE, "train-trial", "--policy",
+                                str(work / "a" / "training-policy.json"), "--steps",
+                                str(args.steps), "--monitor-every", str(args.monitor_every),
+                                *size, "--out", str(work / "t"), "--json"])
+        trial = json.loads((work / "t" / "trial.json").read_text())
     blocks = result["views"]["block"]
     out = {"command": command("training", args.argv), "model": result["model"],
            "recipe": result["recipe"], "analysis_s": round(analysis_s, 1),
-           "train_trial_s": round(trial_s, 1),
+           "train_trial_s": None if trial_s is None else round(trial_s, 1),
            "rank_correlation": result["rank_correlation"],
            "blocks_by_estimate": [r["block"] for r in sorted(
                blocks, key=lambda r: -r["damage"]["total"])],
            "blocks_by_trial": [r["block"] for r in sorted(
-               blocks, key=lambda r: -r["measured"]["delta"])],
+               blocks, key=lambda r: -r["measured"]["delta"])] if mode == "both" else None,
            "gemm_view": result["views"]["gemm"], "component_view": result["views"]["component"],
            "policy": {k: policy[k] for k in ("predicted_damage", "cost_s",
                                              "bf16_flops_share", "budget", "nvidia_rule")},
            "policy_gemms": {p: sum(1 for c in policy["choices"] for g in c["gemms"].values()
                                    if g == p) for p in policy["options"]},
-           "train_trial": {"arms": json.loads(line)["arms"],
-                           "differences": trial["differences"],
-                           "stop_helping": trial["stop_helping"],
-                           "events": {n: a["events"] for n, a in trial["arms"].items()}}}
+           "policy_bf16_units": {c["unit"]: [g for g, p in c["gemms"].items() if p == "bf16"]
+                                 for c in policy["choices"] if "bf16" in c["gemms"].values()},
+           "train_trial": None if trial is None else {
+               "arms": json.loads(line)["arms"], "differences": trial["differences"],
+               "stop_helping": trial["stop_helping"],
+               "events": {n: a["events"] for n, a in trial["arms"].items()}}}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "training.json").write_text(json.dumps(out, indent=1))
-    shutil.copy(work / "a" / "report.md", RESULTS / "training-report.md")
+    report = (work / "a" / "report.md").read_text().splitlines()  # its plots stay behind
+    (RESULTS / "training-report.md").write_text(
+        "\n".join(ln for ln in report if not ln.startswith("![")) + "\n")
     print(json.dumps({k: out[k] for k in ("analysis_s", "train_trial_s", "rank_correlation",
                                           "train_trial")}, indent=1))
     return 0
