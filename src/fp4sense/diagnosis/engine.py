@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from fp4sense.diagnosis import blockio
 from fp4sense.diagnosis.cache import EntryCache
+from fp4sense.diagnosis.clips import choose_input_clips
 from fp4sense.diagnosis.footprint import BASE_LOGPROB_BYTES, WEIGHT_CACHE_BYTES
 from fp4sense.diagnosis.stats import InputStats, mean_se
 from fp4sense.inputs.models import quantization_dtypes
@@ -67,6 +68,7 @@ class Analysis:
         self.block_forwards = 0
         self.routing: dict[str, list[int]] = {}  # MoE unit -> tokens routed to each expert
         self.rotations: tuple[int, ...] = ()  # the rotated schemes' widths (their input maxima)
+        self.clips: tuple[int, ...] = ()  # the inputs whose tensor scale *_ACLIP chooses
         # the unquantized weights (perturbations swap .data and put these back)
         attached = getattr(model, "fp4sense_blocks", None)  # load_model(low_memory=True)
         if attached is not None:
@@ -186,6 +188,9 @@ class Analysis:
         self.block_forwards += n * self.units.n_blocks
         self.base_ppl_value = math.exp(float(np.mean(nll)))
         self.stats, self.importance = stats.finish()
+        if self.clips:  # the *_ACLIP schemes' fractions, one more pass
+            for m, chosen in choose_input_clips(self, self.clips).items():
+                self.stats[m].update(chosen)
 
     # --- perturbations ------------------------------------------------------------------
     @contextmanager

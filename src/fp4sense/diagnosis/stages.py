@@ -164,7 +164,7 @@ class ViewsRun:
             cached_stats = cache.get("stats")
             if cached_stats is None:
                 run.base_pass()
-        if run.stats is not None and cache.get("stats") is None:
+        if run.stats is not None and _newer(run.stats, cache.get("stats")):
             item = {"stats": run.stats, "base_ppl": run.base_ppl(), "routing": run.routing}
             if distributed.is_main():
                 cache.put("stats", item)
@@ -189,3 +189,12 @@ class ViewsRun:
         cost["total_seconds"] = round(time.perf_counter() - t0, 2)
         report.correlations = correlations(report)
         return report
+
+
+def _newer(stats: dict, cached: dict | None) -> bool:
+    """Whether this run's statistics hold what the cached ones lack (none cached, or an
+    ``*_ACLIP`` scheme's choices an earlier run of other schemes did not make)."""
+    if cached is None:
+        return True
+    old = cached.get("stats", {})
+    return any(not set(v) <= set(old.get(m, {})) for m, v in stats.items())

@@ -37,7 +37,7 @@ from fp4sense.diagnosis.footprint import check_cache_memory, weight_cache_bytes
 from fp4sense.diagnosis.results import SensitivityReport
 from fp4sense.diagnosis.stages import ViewsRun
 from fp4sense.inputs.models import quantization_dtypes
-from fp4sense.numerics.schemes import get_scheme, rotations_of
+from fp4sense.numerics.schemes import clips_of, get_scheme, rotations_of
 from fp4sense.structure.experts import expert_targets, projection_targets
 from fp4sense.structure.units import Unit, UnitMap, find_units, model_fingerprint
 from fp4sense.validate import register_unique
@@ -234,7 +234,7 @@ def analyze(
                    Path(offload_dir) if offload_dir is not None else None, device,
                    rounded=rounded)
     run.qweight_limit = weights
-    run.rotations = rotations_of(schemes)
+    run.rotations, run.clips = rotations_of(schemes), clips_of(schemes)
     try:
         return ViewsRun(run, model, windows, units, cache, list(schemes), views, modes,
                         grid_blocks, text, context, fingerprint, key, t0, log,

@@ -35,7 +35,8 @@ from compressed_tensors.quantization.utils import calculate_qparams, generate_gp
 from fp4sense.numerics import formats, fp4
 from fp4sense.numerics.rotation import rotate_input, rotate_weight
 from fp4sense.numerics.scale_search import search_block_scales
-from fp4sense.numerics.schemes import MENU, Scheme, get_scheme, to_quantization_scheme
+from fp4sense.numerics.schemes import (MENU, Scheme, clip_key, get_scheme,
+                                       to_quantization_scheme)
 
 __all__ = ["activation_quantizer", "input_absmax", "quantize_weights", "searched_scales"]
 
@@ -223,9 +224,17 @@ def activation_quantizer(
 
 def input_absmax(stats: dict, scheme: str | Scheme) -> float | None:
     """The input maximum ``scheme`` calibrates its input global scale from, out of one
-    linear's base-pass statistics: the rotated input's for a rotated scheme."""
-    rotation = get_scheme(scheme).rotation
-    return stats.get("absmax" if rotation is None else f"absmax_h{rotation}")
+    linear's base-pass statistics: the rotated input's for a rotated scheme; for an
+    ``*_ACLIP`` scheme, the fraction of it the analysis chose for the unit."""
+    s = get_scheme(scheme)
+    amax = stats.get("absmax" if s.rotation is None else f"absmax_h{s.rotation}")
+    if not s.input_clip or amax is None:
+        return amax
+    chosen = stats.get(clip_key(s.rotation))
+    if chosen is None:
+        raise ValueError(f"{s.name}: no tensor-scale fraction was chosen for this input "
+                         "(the analysis chooses it in its base pass)")
+    return amax * chosen["fraction"]
 
 
 def _rotated_input(x: torch.Tensor, rotation: int,

@@ -11,13 +11,18 @@ The ``*_SEARCH`` schemes store exactly the standard ``nvfp4-pack-quantized`` /
 block scale differs: it is searched for the lowest output error instead of taken from
 the block amax. The search itself is an llm-compressor observer
 (``fp4sense_scale_search``) provided by the ``fp4sense-llmcompressor`` plugin.
+
+The ``*_ACLIP`` schemes (W4A4 NVFP4 only) store the standard tensors too; their
+``input_global_scale`` is made from a fraction of the calibration maximum that the
+analysis chose for each unit (:mod:`fp4sense.numerics.input_clip`), which the plan
+carries and the ``fp4sense_input_clip`` input observer applies.
 """
 
 from __future__ import annotations
 
 import math
 from copy import deepcopy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,11 +30,14 @@ from fp4sense.numerics.formats import BITS_PER_BYTE, FLOAT32_BYTES, get_format
 from fp4sense.validate import UserError
 
 __all__ = [
+    "INPUT_CLIP_OBSERVER",
     "MENU",
     "SCALE_SEARCH_OBSERVER",
     "Scheme",
     "SchemeError",
     "bits_per_weight",
+    "clip_key",
+    "clips_of",
     "get_scheme",
     "menu_name_of",
     "register_presets",
@@ -40,6 +48,9 @@ __all__ = [
 
 #: registry name of the scale-search observer (plugins/llmcompressor)
 SCALE_SEARCH_OBSERVER = "fp4sense_scale_search"
+#: registry name of the input observer of the ``*_ACLIP`` schemes (plugins/llmcompressor):
+#: llm-compressor's static min-max, its tensor scale made from a fraction of the maximum
+INPUT_CLIP_OBSERVER = "fp4sense_input_clip"
 INT4_GROUP_SIZE = 128
 #: pack-quantized INT4 stores a (2,) int64 ``weight_shape`` beside each weight
 INT4_SHAPE_BYTES = 2 * 8
@@ -62,6 +73,9 @@ class Scheme:
     #: width of the block-Hadamard rotation applied to the input and the weight before
     #: quantization (:mod:`fp4sense.numerics.rotation`); None: not rotated
     rotation: int | None = None
+    #: the NVFP4 input's tensor scale made from a fraction of the calibration maximum,
+    #: chosen per unit by measurement (:mod:`fp4sense.numerics.input_clip`)
+    input_clip: bool = False
 
     @property
     def quantizes(self) -> bool:
@@ -113,6 +127,18 @@ _MENU_LIST = [
                                     ("MXFP4A16", "mxfp4", None, (32, 64, 128)))
       for size in sizes),
 ]
+
+
+def _clip_twin(scheme: Scheme) -> Scheme:
+    """``scheme`` (W4A4 NVFP4) with its input's tensor scale chosen by measurement."""
+    base = scheme.name.removesuffix("_SEARCH")
+    return replace(scheme, name=f"{base}_ACLIP{'_SEARCH' if scheme.scale_search else ''}",
+                   input_clip=True, description=f"{scheme.description}; the activations' "
+                   "tensor scale chosen per unit by measurement")
+
+
+_MENU_LIST += [_clip_twin(s) for s in _MENU_LIST
+               if s.weight_format == "nvfp4" and s.activations == "fp4"]
 MENU: dict[str, Scheme] = {s.name: s for s in _MENU_LIST}
 
 
@@ -131,6 +157,19 @@ def rotations_of(schemes) -> tuple[int, ...]:
     return tuple(sorted({get_scheme(s).rotation for s in schemes} - {None}))
 
 
+def clips_of(schemes) -> tuple[int, ...]:
+    """The inputs whose tensor scale the ``*_ACLIP`` schemes among ``schemes`` choose,
+    by rotation width (0: the unrotated input), sorted."""
+    return tuple(sorted({get_scheme(s).rotation or 0 for s in schemes
+                         if get_scheme(s).input_clip}))
+
+
+def clip_key(rotation: int | None) -> str:
+    """The statistic holding a unit input's chosen fraction (``input_clip``, or
+    ``input_clip_h16`` for the 16-wide rotated input)."""
+    return "input_clip" if not rotation else f"input_clip_h{rotation}"
+
+
 def with_search_twins(menu) -> list[str]:
     """``menu`` with each plain FP4 scheme's searched-scale twin added after it.
 
@@ -147,8 +186,10 @@ def with_search_twins(menu) -> list[str]:
     return out
 
 
-def _preset_args(scheme: Scheme) -> dict:
-    """The keyword arguments of a QuantizationScheme for ``scheme`` (no targets)."""
+def _preset_args(scheme: Scheme, input_fraction: float = 1.0) -> dict:
+    """The keyword arguments of a QuantizationScheme for ``scheme`` (no targets); an
+    ``*_ACLIP`` scheme's input observer makes its tensor scale from ``input_fraction`` of
+    the calibration maximum."""
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
     args = deepcopy(PRESET_SCHEMES[scheme.preset])
@@ -156,26 +197,35 @@ def _preset_args(scheme: Scheme) -> dict:
         args["weights"] = args["weights"].model_copy(
             update={"observer": SCALE_SEARCH_OBSERVER}
         )
+    if scheme.input_clip:
+        args["input_activations"] = args["input_activations"].model_copy(update={
+            "observer": INPUT_CLIP_OBSERVER,
+            "observer_kwargs": {"fraction": float(input_fraction)}})
     return args
 
 
-def to_quantization_scheme(name: str | Scheme, targets: list[str]):
-    """compressed-tensors ``QuantizationScheme`` for ``name``; None for BF16."""
+def to_quantization_scheme(name: str | Scheme, targets: list[str],
+                           input_fraction: float = 1.0):
+    """compressed-tensors ``QuantizationScheme`` for ``name``; None for BF16.
+    ``input_fraction``: an ``*_ACLIP`` scheme's chosen fraction of the input maximum."""
     from compressed_tensors.quantization import QuantizationScheme
 
     scheme = get_scheme(name)
     if not scheme.quantizes:
         return None
-    return QuantizationScheme(targets=targets, **_preset_args(scheme))
+    return QuantizationScheme(targets=targets, **_preset_args(scheme, input_fraction))
 
 
 def _signature(args) -> tuple | None:
-    """What a QuantizationArgs computes (its observer only where it is the scale search:
-    llm-compressor fills in its default observer when it attaches a scheme)."""
+    """What a QuantizationArgs computes (its observer only where it is fp4sense's: the
+    scale search, the input clip; llm-compressor fills in its default observer when it
+    attaches a scheme)."""
     if args is None:
         return None
+    ours = args.observer if args.observer in (SCALE_SEARCH_OBSERVER, INPUT_CLIP_OBSERVER) \
+        else None
     return (args.num_bits, str(args.type), args.symmetric, args.group_size,
-            str(args.strategy), args.dynamic, args.observer == SCALE_SEARCH_OBSERVER)
+            str(args.strategy), args.dynamic, ours)
 
 
 def menu_name_of(qscheme) -> str | None:
@@ -201,8 +251,11 @@ def register_presets() -> list[str]:
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
     added = []
-    for scheme in MENU.values():  # (a rotation is no quantization scheme: transform_config)
-        if not scheme.quantizes or scheme.rotation or scheme.name in PRESET_SCHEMES:
+    # (a rotation is no quantization scheme: transform_config; an input clip's fraction
+    # is the plan's, unit by unit)
+    for scheme in MENU.values():
+        if (not scheme.quantizes or scheme.rotation or scheme.input_clip
+                or scheme.name in PRESET_SCHEMES):
             continue
         PRESET_SCHEMES[scheme.name] = _preset_args(scheme)
         added.append(scheme.name)

@@ -23,7 +23,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from fp4sense import defaults
 from fp4sense.diagnosis import SensitivityReport
-from fp4sense.numerics.schemes import bits_per_weight, get_scheme
+from fp4sense.numerics.schemes import bits_per_weight, clip_key, get_scheme
 from fp4sense.planning.plan import PLAN_VERSION, Choice, Plan, PlanError
 from fp4sense.structure.units import Unit, UnitMap
 
@@ -101,6 +101,20 @@ def _pinned(unit: Unit, pins: Mapping[str, str]) -> str | None:
                 raise PlanError(f"unit {unit.name} is pinned to both {hit} and {scheme}")
             hit = get_scheme(scheme).name
     return hit
+
+
+def input_fraction(report: SensitivityReport, unit: Unit, scheme: str) -> float:
+    """The fraction of the input maximum the analysis chose for ``unit`` under an
+    ``*_ACLIP`` ``scheme`` (1.0 under any other)."""
+    s = get_scheme(scheme)
+    if not s.input_clip:
+        return 1.0
+    chosen = (report.activation_stats or {}).get(unit.modules[0], {}).get(clip_key(s.rotation))
+    if chosen is None:
+        raise PlanError(f"the sensitivity report chose no input tensor scale for unit "
+                        f"{unit.name} under {s.name}; analyze again with --schemes "
+                        f"including {s.name}")
+    return float(chosen["fraction"])
 
 
 def plan_cost(units: UnitMap, menu: Sequence[str]) -> tuple[float, float]:
@@ -205,7 +219,8 @@ def solve(
     chosen = [options[j] for j in np.flatnonzero(res.x > 0.5)]
     k = report.units.experts_per_token
     choices = [Choice(units[i].name, s, b, units[i].numel, d, units[i].modules,
-                      k / units[i].experts if units[i].experts and k else 1.0)
+                      k / units[i].experts if units[i].experts and k else 1.0,
+                      input_fraction(report, units[i], s))
                for i, s, b, d in sorted(chosen)]
     objective = ({"budget_bits": budget_bits} if budget_bits is not None else
                  {"budget_bytes": budget_bytes} if budget_bytes is not None else

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fp4sense import __version__
+from fp4sense.numerics.input_clip import check_fraction
 from fp4sense.numerics.schemes import get_scheme, to_quantization_scheme
 from fp4sense.validate import UserError, read_json
 
@@ -34,6 +35,9 @@ class Choice:
     damage: float  # predicted KL contribution
     modules: tuple[str, ...]
     active: float = 1.0  # share of the unit's weights one token computes with (MoE: k/E)
+    #: an ``*_ACLIP`` scheme's chosen fraction of the input maximum its tensor scale is
+    #: made from (1: the maximum, as every other scheme)
+    input_fraction: float = 1.0
 
 
 @dataclass
@@ -85,19 +89,24 @@ class Plan:
 
         ``stored`` (:func:`fp4sense.inputs.moe.stored_expert_names`): experts the files
         store under other names; their regex names the linears and the stored names."""
-        by: dict[str, dict[str, list[str]]] = {}
+        return {scheme: targets for (scheme, _), targets in self._targets(
+            stored, lambda c: (c.scheme, 1.0)).items()}
+
+    def _targets(self, stored: dict | None, key) -> dict[tuple[str, float], list[str]]:
+        """``key(choice)`` -> the targets of the choices it groups."""
+        by: dict[tuple[str, float], dict[str, list[str]]] = {}
         experts: dict[str, list[str]] = {}  # MoE kind -> the projections of one expert
         for c in self.choices:
             if not get_scheme(c.scheme).quantizes:
                 continue
             block, _, kind = c.unit.partition(":")
-            by.setdefault(c.scheme, {}).setdefault(kind, []).append(block)
+            by.setdefault(key(c), {}).setdefault(kind, []).append(block)
             inside = f"{self.blocks_path}.{block}.{kind}."
             if all(m.startswith(inside) for m in c.modules):  # experts.E.<projection>
                 experts[kind] = sorted({m[len(inside):].split(".", 1)[1] for m in c.modules})
-        out: dict[str, list[str]] = {}
-        for scheme, kinds in by.items():
-            out[scheme] = []
+        out: dict[tuple[str, float], list[str]] = {}
+        for group, kinds in by.items():
+            out[group] = []
             for kind, blocks in kinds.items():
                 parent, _, leaves = kind.rpartition(".")
                 leaf = leaves.split("+")
@@ -113,13 +122,15 @@ class Plan:
                                 + "|".join(re.escape(p) for p in (*experts[kind], *leaves))
                                 + ")")
                 nums = "|".join(sorted(blocks, key=int))
-                out[scheme].append(f"re:^{re.escape(self.blocks_path)}\\.({nums})\\.{path}$")
+                out[group].append(f"re:^{re.escape(self.blocks_path)}\\.({nums})\\.{path}$")
         return out
 
     def config_groups(self, stored: dict | None = None) -> dict:
-        """``group_0 … group_N`` compressed-tensors schemes (names vLLM expects)."""
-        return {f"group_{i}": to_quantization_scheme(scheme, targets)
-                for i, (scheme, targets) in enumerate(sorted(self.targets(stored).items()))}
+        """``group_0 … group_N`` compressed-tensors schemes (names vLLM expects); an
+        ``*_ACLIP`` scheme has a group per fraction of the input maximum its units chose."""
+        groups = self._targets(stored, lambda c: (c.scheme, c.input_fraction))
+        return {f"group_{i}": to_quantization_scheme(scheme, targets, fraction)
+                for i, ((scheme, fraction), targets) in enumerate(sorted(groups.items()))}
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -154,6 +165,7 @@ class Plan:
             plan = cls(**d)
             for c in plan.choices:
                 get_scheme(c.scheme)
+                check_fraction(c.input_fraction, f"unit {c.unit}")
         except (KeyError, TypeError) as exc:
             raise PlanError(f"{path}: not a plan fp4sense can read ({type(exc).__name__}: "
                             f"{exc}); plan again") from None

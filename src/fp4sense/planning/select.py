@@ -17,7 +17,7 @@ import torch
 from fp4sense.diagnosis import SensitivityReport
 from fp4sense.diagnosis.cache import EntryCache
 from fp4sense.diagnosis.engine import Analysis
-from fp4sense.numerics.schemes import get_scheme, rotations_of, with_search_twins
+from fp4sense.numerics.schemes import clips_of, get_scheme, rotations_of, with_search_twins
 from fp4sense.planning.milp import Plan, PlanError, solve
 from fp4sense.structure.units import UnitMap
 
@@ -121,16 +121,17 @@ class Judge:
                  rounded=None, schemes=(), calibration: torch.Tensor | None = None,
                  stats: dict | None = None, importance: dict | None = None):
 
-        def analysis(on: torch.Tensor) -> Analysis:
+        def analysis(on: torch.Tensor, own_stats: bool) -> Analysis:
             a = Analysis(model, on, units, EntryCache(None), progress=False, rounded=rounded)
-            a.rotations = rotations_of(schemes)
+            # the statistics it keeps: the *_ACLIP choices too
+            a.rotations, a.clips = rotations_of(schemes), clips_of(schemes) if own_stats else ()
             return a
 
         if calibration is not None:
-            calibrated = analysis(calibration)
+            calibrated = analysis(calibration, stats is None)
             calibrated.base_pass()
             calibrated.release_replay()  # its statistics are what is kept
-        self.analysis = analysis(windows)
+        self.analysis = analysis(windows, calibration is None and stats is None)
         self.analysis.base_pass()
         if calibration is not None:
             self.analysis.stats = calibrated.stats

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from fp4sense.checkpoint.checks import tensor_index
-from fp4sense.numerics.schemes import get_scheme
+from fp4sense.numerics.schemes import INPUT_CLIP_OBSERVER, get_scheme
 from fp4sense.planning.milp import Plan
 from fp4sense.runtime.outputs import CHECKPOINT_FILES, is_checkpoint_file
 from fp4sense.validate import UserError
@@ -96,6 +96,7 @@ def recorded_files(folder: Path) -> list[str]:
         except UserError:
             return problems  # the checkpoint checker names the weights' fault
         problems += _plan_against(folder / "plan.json", plan, stored)
+        problems += _clips_against(folder, plan)
     return problems
 
 
@@ -136,6 +137,33 @@ def _plan_against(path: Path, plan: Plan, stored: dict) -> list[str]:
             if have is not None and have != want:
                 return [f"{path}: gives {choice.unit} {choice.scheme}, but {module} is stored "
                         f"{have}; the plan is not this checkpoint's: restore its plan.json"]
+    return []
+
+
+def _clips_against(folder: Path, plan: Plan) -> list[str]:
+    """Each ``*_ACLIP`` unit's input tensor scale calibrated, as config.json records it,
+    from the fraction of the input maximum its plan chose."""
+    try:
+        groups = json.loads((folder / "config.json").read_text())["quantization_config"][
+            "config_groups"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []  # the checkpoint checker names a missing or broken config
+    made = []  # (target regex, fraction its input observer used)
+    for name, group in groups.items():
+        inputs = group.get("input_activations") or {}
+        fraction = ((inputs.get("observer_kwargs") or {}).get("fraction", 1.0)
+                    if inputs.get("observer") == INPUT_CLIP_OBSERVER else 1.0)
+        made += [(name, t, fraction) for t in group.get("targets", ())]
+    for choice in plan.choices:
+        for module in choice.modules:
+            for name, target, fraction in made:
+                hit = (re.match(target[3:], module) if target.startswith("re:")
+                       else target == module)
+                if hit and abs(float(fraction) - choice.input_fraction) > 1e-12:
+                    return [f"{folder / 'plan.json'}: makes {choice.unit}'s input tensor "
+                            f"scale from {choice.input_fraction:g} of the input maximum, but "
+                            f"config.json's {name} calibrated {module}'s from {fraction:g}; "
+                            "the plan is not this checkpoint's: restore its plan.json"]
     return []
 
 

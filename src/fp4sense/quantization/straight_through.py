@@ -19,6 +19,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from fp4sense.numerics.fakequant import activation_quantizer
+from fp4sense.numerics.input_clip import attached_fraction
 from fp4sense.numerics.rotation import rotate_input, rotate_weight
 from fp4sense.structure.units import quantize_unit, unit_scales
 
@@ -58,7 +59,8 @@ def install(modules, trained, absmax, inputs: dict[str, Callable] | None):
             weight.requires_grad_(True)
             params.append(weight)
             quantize_input = (inputs.get(m) if inputs is not None
-                              else activation_quantizer(scheme, absmax[m] or None))
+                              else activation_quantizer(
+                                  scheme, absmax[m] * attached_fraction(mod) or None))
             if quantize_input is not None:
                 hooks.append(mod.register_forward_pre_hook(_input(quantize_input, rotation)))
     return params, hooks

@@ -99,6 +99,9 @@ class Unit:
         if s.rotation and self.experts:
             return ("vLLM applies no input transform to fused MoE experts, so they take no "
                     "rotated scheme")
+        if s.input_clip and self.experts:
+            return ("each routed expert sees its own share of the tokens: the activations' "
+                    "tensor scale is chosen for dense units only")
         if s.rotation and self.bias:
             return "vLLM's transforms serve no linear with a bias: no rotated scheme here"
         need = s.block_size

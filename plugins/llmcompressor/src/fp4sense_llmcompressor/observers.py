@@ -1,4 +1,7 @@
-"""The ``fp4sense_scale_search`` weight observer for llm-compressor.
+"""fp4sense's observers for llm-compressor: ``fp4sense_scale_search`` (weights) and
+``fp4sense_input_clip`` (NVFP4 inputs).
+
+``fp4sense_scale_search``:
 
 It computes the NVFP4 global scale exactly as llm-compressor's min-max observer does
 (shared across fused q/k/v and gate/up), then chooses each block scale with
@@ -16,13 +19,14 @@ from compressed_tensors.quantization import QuantizationStrategy
 from compressed_tensors.quantization.utils import calculate_qparams
 from llmcompressor.modifiers.utils.hooks import HooksMixin
 from llmcompressor.observers.base import Observer, QParamsDict
-from llmcompressor.observers.min_max import MemorylessMinMaxObserver
+from llmcompressor.observers.min_max import MemorylessMinMaxObserver, StaticMinMaxObserver
 
 from fp4sense.numerics.formats import decode_scales
+from fp4sense.numerics.input_clip import check_fraction, input_global_scale
 from fp4sense.numerics.scale_search import search_block_scales
-from fp4sense.numerics.schemes import SCALE_SEARCH_OBSERVER
+from fp4sense.numerics.schemes import INPUT_CLIP_OBSERVER, SCALE_SEARCH_OBSERVER
 
-__all__ = ["ScaleSearchObserver"]
+__all__ = ["InputClipObserver", "ScaleSearchObserver"]
 
 
 @Observer.register(SCALE_SEARCH_OBSERVER)
@@ -111,3 +115,29 @@ class ScaleSearchObserver(MemorylessMinMaxObserver):
             scale = decode_scales(stored, "mxfp4").to(weight.dtype)
         self.delete_statistics()
         return {"scale": scale, "zero_point": zero_point, "global_scale": global_scale}
+
+
+@Observer.register(INPUT_CLIP_OBSERVER)
+class InputClipObserver(StaticMinMaxObserver):
+    """llm-compressor's ``static_minmax`` for an NVFP4 input, its tensor scale made from
+    ``fraction`` of the calibration maximum (shared by a fused group, as upstream's):
+    what an ``*_ACLIP`` scheme's plan chose for the unit
+    (:mod:`fp4sense.numerics.input_clip`).
+
+    observer_kwargs: ``fraction`` in (0, 1] (default 1: upstream's scale).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fraction = check_fraction(self.args.observer_kwargs.get("fraction", 1.0),
+                                       f"{INPUT_CLIP_OBSERVER} observer_kwargs.fraction")
+        if self.args.strategy != QuantizationStrategy.TENSOR_GROUP or self.is_weight_obs:
+            raise ValueError(f"{INPUT_CLIP_OBSERVER} observes NVFP4 inputs (tensor_group "
+                             f"input_activations), got {self.base_name} with strategy "
+                             f"{self.args.strategy}; use it under input_activations only")
+
+    def get_global_scale(self) -> torch.Tensor | None:
+        stats = self.fusion_handler.get_fused_statistics()
+        absmax = torch.stack([torch.max(s["max_vals"].max(), -s["min_vals"].min())
+                              for s in stats]).max()
+        return input_global_scale(absmax, self.fraction).to(absmax.device)
