@@ -35,8 +35,7 @@ from compressed_tensors.quantization.utils import calculate_qparams, generate_gp
 from fp4sense.numerics import formats, fp4
 from fp4sense.numerics.rotation import rotate_input, rotate_weight
 from fp4sense.numerics.scale_search import search_block_scales
-from fp4sense.numerics.schemes import (MENU, Scheme, clip_key, get_scheme,
-                                       to_quantization_scheme)
+from fp4sense.numerics.schemes import MENU, Scheme, clip_key, get_scheme, to_quantization_scheme
 
 __all__ = ["activation_quantizer", "input_absmax", "quantize_weights", "searched_scales"]
 
