@@ -158,3 +158,65 @@ def test_analysis_chooses_each_dense_input_once_and_plans_carry_it(tiny_llama):
     assert {c.unit: c.input_fraction for c in plan.choices} == {
         u.name: report.activation_stats[u.modules[0]]["input_clip"]["fraction"]
         for u in report.units.units}
+
+
+@pytest.mark.slow
+def test_checkpoint_input_scales_follow_the_plan_and_a_foreign_plan_is_named(tiny_llama,
+                                                                            tmp_path):
+    """The plan's fractions reach the checkpoint: at 1 its input scales are a plain NVFP4
+    oneshot's bit for bit, at 1/2 and 1/4 twice and four times them; config.json records
+    the fractions, transformers loads it, and a plan.json whose fractions are not the
+    checkpoint's is named."""
+    import shutil
+
+    from llmcompressor import oneshot
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from fp4sense.planning.plan import Plan
+    from fp4sense.publishing.contents import recorded_files
+    from fp4sense_llmcompressor import SensitivityGuidedModifier
+    from helpers import calibration_dataset, oneshot_checkpoint
+
+    def run(recipe, out):
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
+        oneshot(model=model, recipe=recipe, dataset=calibration_dataset(tiny_llama),
+                num_calibration_samples=4, max_seq_length=64)
+        model.save_pretrained(out, save_compressed=True)
+        return load_file(out / "model.safetensors")
+
+    solved = SensitivityGuidedModifier(budget_bits=5.0, menu=["NVFP4_ACLIP"],
+                                       scale_search=False, analysis_windows=2,
+                                       plan_path=str(tmp_path / "solved.json"))
+    run([solved], tmp_path / "solved")
+    plan = Plan.load(tmp_path / "solved.json")
+    assert {c.scheme for c in plan.choices} == {"NVFP4_ACLIP"}
+    fractions = {c.unit: (1.0 if i % 2 else 0.5 if i % 4 else 0.25)
+                 for i, c in enumerate(plan.choices)}
+    given = {}
+    for name, table in (("max", dict.fromkeys(fractions, 1.0)), ("clipped", fractions)):
+        plan.choices = [type(c)(**{**c.__dict__, "input_fraction": table[c.unit]})
+                        for c in plan.choices]
+        plan.save(tmp_path / f"{name}.json")
+        given[name] = run([SensitivityGuidedModifier(plan=str(tmp_path / f"{name}.json"))],
+                          tmp_path / name)
+    plain = load_file(oneshot_checkpoint(tiny_llama, "NVFP4", tmp_path / "plain",
+                                         dataset=calibration_dataset(tiny_llama))
+                      / "model.safetensors")
+    for c in plan.choices:
+        for m in c.modules:
+            key = f"{m}.input_global_scale"
+            assert torch.equal(given["max"][key], plain[key]), m
+            assert torch.equal(given["clipped"][key], plain[key] / fractions[c.unit]), m
+    groups = json.loads((tmp_path / "clipped" / "config.json").read_text())[
+        "quantization_config"]["config_groups"]
+    assert sorted(g["input_activations"]["observer_kwargs"]["fraction"]
+                  for g in groups.values()) == [0.25, 0.5, 1.0]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "clipped")
+    assert model(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+    shutil.copy(tmp_path / "clipped.json", tmp_path / "clipped" / "plan.json")
+    assert recorded_files(tmp_path / "clipped") == []
+    shutil.copy(tmp_path / "max.json", tmp_path / "clipped" / "plan.json")
+    problems = recorded_files(tmp_path / "clipped")
+    assert len(problems) == 1 and "input tensor scale from 1 of the input maximum" in \
+        problems[0] and "restore its plan.json" in problems[0]

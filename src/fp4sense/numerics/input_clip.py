@@ -57,8 +57,12 @@ def check_fraction(fraction, where: str) -> float:
 
 def input_global_scale(absmax: float | torch.Tensor, fraction: float = 1.0) -> torch.Tensor:
     """The NVFP4 ``input_global_scale`` made from ``fraction`` of the input maximum, as
-    llm-compressor's ``generate_gparam`` makes it from the maximum (float32, shape (1,))."""
-    amax = torch.as_tensor(absmax, dtype=torch.float32).reshape(1) * float(fraction)
+    llm-compressor's ``generate_gparam`` makes it from the maximum: in the maximum's
+    dtype (a bf16 calibration's scale is rounded to bf16), returned as float32 (1,)."""
+    amax = torch.as_tensor(absmax)
+    if not amax.is_floating_point():
+        amax = amax.float()
+    amax = amax.reshape(1) * float(fraction)
     return generate_gparam(-amax, amax)
 
 
