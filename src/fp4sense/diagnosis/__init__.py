@@ -6,7 +6,8 @@ sensitivity.json); ``engine.Analysis`` does the work (block-output replay,
 the Fisher estimate, streamed block by block in ``estimate``; ``blockio``: a decoder
 block's call, kept and replayed), ``cache`` keeps finished entries (resumable),
 ``footprint`` says what the caches will hold, ``results`` holds the report and its
-entries, ``stats`` the statistics over windows. The units, experts and offloaded blocks
+entries, ``stats`` the statistics over windows, ``clips`` the ``*_ACLIP`` schemes'
+input tensor scales, chosen after the base pass. The units, experts and offloaded blocks
 are :mod:`fp4sense.structure`'s; the analyze command is :mod:`fp4sense.jobs.analyze`. A
 new view is one :func:`views.register_view` (its targets and how a measured run replays
 it).

@@ -2,7 +2,8 @@
 registered classes with their scale rules (``formats``), compress / decompress /
 fake-quantize of tensors (``fp4``), the scheme menu (``schemes``), a unit under a scheme
 in memory (``fakequant``), error-minimizing block scales (``scale_search``) and the
-block-Hadamard rotations of the rotated schemes (``rotation``), the damage metrics
+block-Hadamard rotations of the rotated schemes (``rotation``), the W4A4 input's
+tensor scale chosen by output error (``input_clip``), the damage metrics
 per protocol: KL, perplexity, top-1 agreement (``metrics``), and FP4 *training*: the
 recipes that quantize each GEMM operand of a training step (``training``) and the
 emulated linear whose fprop, dgrad and wgrad use them, put on a model by a per-layer,

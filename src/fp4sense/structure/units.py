@@ -96,20 +96,16 @@ class Unit:
     def why_infeasible(self, scheme: str) -> str | None:
         """Why ``scheme`` cannot take this unit, or None when it can."""
         s = get_scheme(scheme)
-        if s.rotation and self.experts:
+        if self.experts and (s.rotation or s.input_clip):
             return ("vLLM applies no input transform to fused MoE experts, so they take no "
-                    "rotated scheme")
-        if s.input_clip and self.experts:
-            return ("each routed expert sees its own share of the tokens: the activations' "
-                    "tensor scale is chosen for dense units only")
+                    "rotated scheme" if s.rotation else "each routed expert sees its own "
+                    "tokens: the input's tensor scale is chosen for dense units only")
         if s.rotation and self.bias:
             return "vLLM's transforms serve no linear with a bias: no rotated scheme here"
         need = s.block_size
-        for width in dict.fromkeys(self.inputs):
-            if need and width % need:
-                return (f"input dimension {width} is not divisible by {scheme}'s "
-                        f"block size {need}")
-        return None
+        bad = [w for w in dict.fromkeys(self.inputs) if need and w % need]
+        return (f"input dimension {bad[0]} is not divisible by {scheme}'s block size {need}"
+                if bad else None)
 
     def to_dict(self) -> dict:
         d = asdict(self)
