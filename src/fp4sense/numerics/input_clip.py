@@ -11,9 +11,11 @@ largest, their largest elements clip). The checkpoint's format does not change: 
 serves ``input_global_scale`` as it is.
 
 Each candidate fraction is scored by the output error the unit's input quantization
-causes, ``||(Q(x) - x) W^T||^2`` summed over the calibration windows (W the unit's
-weights, the parts of a fused group stacked: they share the input, so one choice); the
-weights' own error does not depend on the input's scale and is left out. A candidate
+causes, summed over the calibration windows: ``||(Q(x) - x) W^T||^2`` for quantization
+errors uncorrelated across input channels, ``sum_j ||Q(x)_j - x_j||^2 ||W_:j||^2`` (W the
+unit's weights, the parts of a fused group stacked: they share the input, so one choice;
+the same weighting as the block-scale search's). The weights' own error does not depend
+on the input's scale and is left out. A candidate
 that saturates more than :data:`MAX_SATURATED` of the unit's input blocks is not taken.
 """
 
@@ -94,13 +96,13 @@ class ClipScores:
         """Score every candidate on the inputs ``x`` (..., in) of a unit whose (stacked)
         weights are ``weight`` (out, in)."""
         rows = x.detach().reshape(-1, x.shape[-1])
-        w = weight.detach().to(torch.float32)
+        column_power = weight.detach().to(torch.float32).square().sum(0)  # ||W_:j||^2
         block_max = rows.float().abs().unflatten(-1, (-1, self.fmt.block_size)).amax(-1)
         self.blocks += block_max.numel()
         for i, (fraction, gs) in enumerate(zip(self.fractions, self.scales, strict=True)):
             q = quantize_dequantize_activations(rows, self.fmt, gs.to(rows.device))
-            delta = (q.float() - rows.float()) @ w.T
-            self.error[i] += float(delta.double().square().sum())
+            delta = (q.float() - rows.float()).square().sum(0)
+            self.error[i] += float((delta.double() * column_power.double()).sum())
             self.saturated[i] += float((block_max > self.absmax * fraction).sum())
 
     def choice(self) -> dict:
