@@ -50,7 +50,9 @@ def test_presets_registered_for_quantization_modifier():
     import fp4sense_llmcompressor  # noqa: F401  (registers presets and the observer)
 
     for name, scheme in MENU.items():
-        if scheme.rotation:  # a rotation is a transform_config, not a preset: never one
+        # a rotation is a transform_config, an input clip's fraction the plan's unit by
+        # unit: neither is a preset, ever
+        if scheme.rotation or scheme.input_clip:
             assert name not in PRESET_SCHEMES, name
             continue
         if scheme.preset is None:
