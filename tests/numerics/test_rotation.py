@@ -399,14 +399,16 @@ def test_a_rotated_checkpoint_passes_verify_vllm(family, assets, text_file, tmp_
                                                  serve_python):
     """vLLM (CPU, with the plugin) serves a rotated checkpoint as transformers computes
     it, dense and MoE (the experts are not rotated: vLLM's fused MoE takes no transform;
-    nor are Qwen2's biased q/k/v: vLLM's transforms serve no bias)."""
+    nor are Qwen2's biased q/k/v: vLLM's transforms serve no bias); the dense Llama's MLP
+    output takes NVFP4_ACLIP (its input observer and fraction in the config)."""
     base = make_family_model(family, tmp_path / family, assets["model"])
     out = tmp_path / "q"
     biased = family == "qwen2_moe"
     pins = ["--pin", r".*self_attn\.o_proj=MXFP4_H32"] + (
-        [] if biased else ["--pin", r".*self_attn\.q_proj=NVFP4_H16"])
+        [] if biased else ["--pin", r".*self_attn\.q_proj=NVFP4_H16"]) + (
+        ["--pin", r".*mlp\.down_proj=NVFP4_ACLIP"] if family == "llama" else [])
     proc = subprocess.run([FP4SENSE, "quantize", str(base), "--budget", "4.6", "--menu",
-                           "NVFP4,NVFP4_H16,MXFP4_H32", "--no-scale-search", *pins,
+                           "NVFP4,NVFP4_H16,MXFP4_H32,NVFP4_ACLIP", "--no-scale-search", *pins,
                            "--out", str(out), "--text", str(text_file), *SMALL, "--no-eval"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -415,6 +417,9 @@ def test_a_rotated_checkpoint_passes_verify_vllm(family, assets, text_file, tmp_
     assert any(m.endswith("o_proj") for m in rotated)
     assert not any(".experts." in m for m in rotated)
     assert any(m.endswith("q_proj") for m in rotated) != biased
+    clipped = [g for g in config["config_groups"].values()
+               if (g.get("input_activations") or {}).get("observer") == "fp4sense_input_clip"]
+    assert bool(clipped) == (family == "llama")
     proc = subprocess.run([FP4SENSE, "verify-vllm", str(out), "--eval-windows", "1", "--tokens",
                            "128", "--serve-python", str(serve_python), "--json"],
                           capture_output=True, text=True)
