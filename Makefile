@@ -57,7 +57,9 @@ $(VENV_VLLM)/.fp4sense-env: pyproject.toml plugins/vllm/pyproject.toml
 assets: env
 	$(VENV)/bin/fp4sense setup
 
-test: setup
+# the two environments are independent: built side by side (the assets follow the first)
+test:
+	$(MAKE) --no-print-directory -j2 setup
 	OMP_NUM_THREADS=$(TEST_THREADS) $(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) \
 		--dist loadfile $(PYTEST_ARGS)
 
