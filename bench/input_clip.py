@@ -42,7 +42,7 @@ SUBNORMAL_SHARE = 2.0 ** -6 / 448
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--budgets", default="4.75,5.0,5.5")
     ap.add_argument("--out", type=Path, default=OUT)
-    ap.add_argument("--cache", type=Path, default=RESULTS / "input_clip_cache")
+    ap.add_argument("--cache", type=Path, default=RESULTS / ".input-clip-cache")
 
 
 @torch.no_grad()
@@ -91,6 +91,10 @@ def run(args: argparse.Namespace) -> int:
               "estimate_s": secs, "choices": _choices(report, _subnormal_blocks(session, units))}
     judge = session.judge(units, schemes=PLAIN + CLIPPED)
     rows = []
+    # the judge's own choices: its input scales come from all 32 calibration windows
+    result["judge_below_max"] = sum(
+        1 for u in units.units if (judge.inner.analysis.stats.get(u.modules[0], {})
+                                   .get("input_clip") or {"fraction": 1.0})["fraction"] < 1)
     for scheme in ("NVFP4", "NVFP4_ACLIP"):
         rows.append(judge.row(f"uniform {scheme}", {u.name: scheme for u in units.units}))
     for budget in [float(b) for b in args.budgets.split(",")]:
@@ -127,6 +131,10 @@ def _markdown(r: dict) -> str:
                   f"{x['saturated']:.2e} |" for x in c["rows"]]
         lines.append("")
     lines += ["## KL on the evaluation text", "",
+              "The judge takes its input scales, and the ACLIP rows their fractions, from "
+              f"all {harness.CALIB_WINDOWS} calibration windows: there "
+              f"{r['judge_below_max']} of {c['units']} units chose below the maximum "
+              "(the plans' column counts the estimate's choices).", "",
               "| row | bits | KL (± se) | PPL | top-1 | units below max | schemes |",
               "|---|---|---|---|---|---|---|"]
     for x in r["rows"]:
