@@ -15,7 +15,13 @@ from fp4sense.numerics.input_clip import (
     check_fraction,
     input_global_scale,
 )
-from fp4sense.numerics.schemes import MENU, get_scheme, to_quantization_scheme, with_search_twins
+from fp4sense.numerics.schemes import (
+    MENU,
+    bits_per_weight,
+    get_scheme,
+    to_quantization_scheme,
+    with_search_twins,
+)
 
 
 def test_twins_of_every_w4a4_nvfp4_scheme_only():
@@ -28,6 +34,9 @@ def test_twins_of_every_w4a4_nvfp4_scheme_only():
         assert (s.preset, s.rotation, s.scale_search) == (plain.preset, plain.rotation,
                                                           plain.scale_search)
     assert with_search_twins(["NVFP4_ACLIP"]) == ["NVFP4_ACLIP", "NVFP4_ACLIP_SEARCH"]
+    for name in clipped:  # the same tensors: the same bits
+        assert bits_per_weight(name, (96, 64)) == bits_per_weight(
+            name.replace("_ACLIP", ""), (96, 64))
 
 
 @pytest.mark.parametrize("bad", [0, -0.5, 1.5, float("nan"), "half", None])

@@ -23,7 +23,8 @@ EXPECTED_MENU = {"NVFP4", "NVFP4A16", "MXFP4", "MXFP4A16", "FP8_DYNAMIC", "INT8"
 
 def test_menu_has_the_issue_schemes_and_search_variants():
     assert EXPECTED_MENU <= set(MENU)
-    assert {s.name for s in MENU.values() if s.scale_search and not s.rotation} == {
+    assert {s.name for s in MENU.values() if s.scale_search and not s.rotation
+            and not s.input_clip} == {
         "NVFP4_SEARCH", "NVFP4A16_SEARCH", "MXFP4_SEARCH", "MXFP4A16_SEARCH"}
 
 
@@ -80,10 +81,12 @@ def _linear_shape(tensors: dict, linear: str) -> tuple[int, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", [s for s, v in MENU.items() if v.quantizes and not v.rotation])
+@pytest.mark.parametrize("scheme", [s for s, v in MENU.items()
+                                    if v.quantizes and not v.rotation and not v.input_clip])
 def test_bit_accounting_equals_written_bytes(scheme, tiny_llama, tmp_path):
     """bits_per_weight() == bytes compressed-tensors writes for each linear, every preset
-    scheme (a rotated one's: its plain scheme's plus the stored matrix, test_rotation)."""
+    scheme (a rotated one's: its plain scheme's plus the stored matrix, test_rotation; an
+    input clip's: its plain scheme's, test_input_clip)."""
     from safetensors import safe_open
 
     out = oneshot_checkpoint(tiny_llama, scheme, tmp_path / scheme,
