@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 
 from fp4sense import options
-from fp4sense.quantization.distill_settings import MODES, cli_options
+from fp4sense.quantization.distill_settings import BACKWARDS, MODES, cli_options
 from fp4sense.validate import (
     non_empty,
     non_negative_int,
@@ -25,7 +25,8 @@ _DISTILL_TYPES = {"steps": dict(type=positive_int, metavar="STEPS"),
                                                                     metavar="FACTOR"),
                   "windows": dict(type=positive_int),
                   "holdout": dict(type=non_negative_int, metavar="N"),
-                  "mode": dict(choices=list(MODES))}
+                  "mode": dict(choices=list(MODES)),
+                  "backward": dict(choices=list(BACKWARDS))}
 
 
 def _add_distill(p: argparse.ArgumentParser) -> None:

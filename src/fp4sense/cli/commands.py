@@ -170,7 +170,7 @@ def _distill_settings(args: argparse.Namespace):
     from fp4sense.quantization.distill import DistillSettings
     return DistillSettings(args.distill, args.distill_lr, args.distill_lr_4bit,
                            windows=args.distill_windows, holdout=args.distill_holdout,
-                           mode=args.distill_mode)
+                           mode=args.distill_mode, backward=args.distill_backward)
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:

@@ -17,6 +17,12 @@ forward pass computes with the plan's formats:
   in memory) before training;
 - only the quantized units' weights train (BF16 units, norms, embeddings stay as they
   are); AdamW with a cosine schedule, gradients clipped to norm 1.
+- ``backward`` (default ``bf16``): with a training recipe (``nvfp4``, ``mxfp4``,
+  ``mxfp8``) the trained linears' dgrad and wgrad GEMMs also run on quantized operands,
+  as FP4 training runs them on Blackwell
+  (:mod:`fp4sense.quantization.straight_through`); with stochastic rounding (nvfp4) a
+  resumed run draws its rounding anew, so it ends near, not exactly on, an
+  uninterrupted one's weights.
 
 Two ways (``mode``): ``end-to-end``, the loss above on the whole model; or ``block``,
 each decoder block in turn trained to reproduce the unquantized block's output from the
@@ -133,7 +139,8 @@ def distill(model: torch.nn.Module, units: UnitMap, schemes: dict[str, str],
             raise DistillError("block-wise distillation needs the base pass's block outputs; "
                                "take it with base_pass(...) under the same settings")
         params, hooks = install(modules, trained, base.absmax,
-                                frozen.inputs if frozen is not None else None)
+                                frozen.inputs if frozen is not None else None,
+                                settings.backward, settings.seed)
         lr_scales = [settings.lr_4bit if scheme.weight_bits == 4 else 1.0
                      for unit, scheme in trained for _ in unit.modules]
 
@@ -299,6 +306,7 @@ def record_training(plan, work: Path, text: str) -> dict:
                      "steps": record["steps"], "text": record["text"],
                      "windows": record.get("windows_trained", st["windows"]), "lr": st["lr"],
                      "seed": st["seed"], "start": record.get("start", "before calibration"),
+                     "backward": st.get("backward", "bf16"),
                      "loss_before": record["loss_before"], "loss_after": record["loss_after"],
                      "rollbacks": len(record["rollbacks"]), "time_s": record["time_s"]}
     if record.get("holdout"):

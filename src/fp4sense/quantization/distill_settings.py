@@ -10,9 +10,12 @@ from dataclasses import dataclass, field, fields
 
 from fp4sense.validate import UserError
 
-__all__ = ["MODES", "DistillError", "DistillSettings", "cli_options"]
+__all__ = ["BACKWARDS", "MODES", "DistillError", "DistillSettings", "cli_options"]
 
 MODES = ("end-to-end", "block")
+#: the recipes QAD's backward GEMMs (dgrad, wgrad) can run in: "bf16" (QAD's own: only
+#: the forward is quantized) or a training recipe of :mod:`fp4sense.numerics.training`
+BACKWARDS = ("bf16", "nvfp4", "mxfp4", "mxfp8")
 
 
 class DistillError(UserError, ValueError):
@@ -47,11 +50,19 @@ class DistillSettings:
     mode: str = _opt("end-to-end", "end-to-end: the KL of the whole model; block: each "
                      "decoder block in turn matches its unquantized output, STEPS steps per "
                      "block, each step one block's forward and backward", "--distill-mode")
+    backward: str = _opt("bf16", "the training recipe the trained linears' backward GEMMs "
+                         "(dgrad, wgrad) run in: bf16 (the forward alone quantized) or "
+                         "nvfp4 / mxfp4 / mxfp8, their operands quantized as FP4 training "
+                         "quantizes them on Blackwell (analyze-training's recipes)",
+                         "--distill-backward")
 
     def check(self) -> None:
         if self.mode not in MODES:
             raise DistillError(f"the distillation mode must be one of {', '.join(MODES)}, "
                                f"got {self.mode!r}")
+        if self.backward not in BACKWARDS:
+            raise DistillError(f"the distillation's backward recipe must be one of "
+                               f"{', '.join(BACKWARDS)}, got {self.backward!r}")
         if not isinstance(self.steps, int) or self.steps < 1:
             raise DistillError(f"distillation steps must be a positive whole number, got "
                                f"{self.steps!r}; give e.g. --distill 100")

@@ -9,6 +9,14 @@ model yet) computes ``Q(x R) Q(W R)^T`` the same way, in the rotated basis: the 
 ``W R + (Q(W R) - W R)`` and the input ``x R + (Q(x R) - x R)``, with ``W R`` and ``x R``
 differentiable, so the gradient reaches the master weight, kept in the model's own
 basis, through the rotation (the oneshot then rotates the trained weights as usual).
+
+With a training recipe for the backward (``backward``: nvfp4, mxfp4, mxfp8), each trained
+linear computes its forward as above and its two backward GEMMs as FP4 training does:
+dgrad ``dY·W`` and wgrad ``dYᵀ·X`` from operands quantized as the recipe says
+(:func:`fp4sense.numerics.training_linear.emulated_linear`: NVFP4's stochastic rounding of
+dY and Hadamard transform of wgrad's operands included), the operands being the ones the
+forward computed with (the straight-through weight and input). The gradient reaching the
+master weight is then the one FP4 training would apply.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from torch.nn.utils import parametrize
 from fp4sense.numerics.fakequant import activation_quantizer
 from fp4sense.numerics.input_clip import attached_fraction
 from fp4sense.numerics.rotation import rotate_input, rotate_weight
+from fp4sense.numerics.training_linear import GemmPrecision, emulated_linear
 from fp4sense.structure.units import quantize_unit, unit_scales
 
 __all__ = ["FrozenRefresher", "Refresher", "install"]
@@ -42,13 +51,38 @@ class _StraightThrough(torch.nn.Module):
         return weight if self.delta is None else weight + self.delta
 
 
-def install(modules, trained, absmax, inputs: dict[str, Callable] | None):
+class _RecipeBackward:
+    """A trained linear's forward replaced by :func:`emulated_linear` with BF16 fprop and
+    the recipe's dgrad and wgrad: the same output, the backward GEMMs quantized.
+    ``remove()`` puts back the forward the module had (a host's wrapper included)."""
+
+    def __init__(self, module, precision: GemmPrecision, generator: torch.Generator):
+        self.module, self.precision, self.generator = module, precision, generator
+        self.own = module.__dict__.get("forward")
+        module.forward = self
+
+    def __call__(self, x):
+        m = self.module
+        return emulated_linear(x, m.weight, m.bias, self.precision, self.generator)
+
+    def remove(self) -> None:
+        if self.own is None:
+            self.module.__dict__.pop("forward", None)
+        else:
+            self.module.forward = self.own
+
+
+def install(modules, trained, absmax, inputs: dict[str, Callable] | None,
+            backward: str = "bf16", seed: int = 0):
     """Straight-through weights and inputs (``inputs``: fixed-scale input quantizers, per
     linear, instead of fp4sense's own: the host's, after its calibration, which has put
     any rotation into the model already); returns the trainable weights and hooks. A
     rotated scheme under fp4sense's own quantizers rotates here (``absmax``: of the
-    rotated input)."""
+    rotated input). ``backward``: the training recipe of the backward GEMMs (stochastic
+    rounding drawn from a generator seeded with ``seed``)."""
     params, hooks = [], []
+    precision = GemmPrecision.of({"dgrad": backward, "wgrad": backward})
+    generator = None
     for unit, scheme in trained:
         rotation = scheme.rotation if inputs is None else None
         for m in unit.modules:
@@ -63,6 +97,9 @@ def install(modules, trained, absmax, inputs: dict[str, Callable] | None):
                                   scheme, absmax[m] * attached_fraction(mod) or None))
             if quantize_input is not None:
                 hooks.append(mod.register_forward_pre_hook(_input(quantize_input, rotation)))
+            if precision.quantized:
+                generator = generator or torch.Generator(weight.device).manual_seed(seed)
+                hooks.append(_RecipeBackward(mod, precision, generator))
     return params, hooks
 
 

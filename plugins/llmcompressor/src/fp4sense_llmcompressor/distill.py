@@ -75,6 +75,9 @@ class QuantizationAwareDistillationModifier(Modifier):
         the training ends on (the lowest KL on them, the starting state included)
     :param mode: ``end-to-end`` (the whole model's KL) or ``block`` (each decoder block in
         turn matches its unquantized output; ``steps`` per block)
+    :param backward: the recipe of the trained linears' backward GEMMs (dgrad, wgrad):
+        ``bf16`` (only the forward quantized), or ``nvfp4`` / ``mxfp4`` / ``mxfp8`` as FP4
+        training quantizes their operands on Blackwell
     :param state_dir: where an interrupted run saves and resumes (optional)
     :param device: where training runs (default: the first CUDA device when there is one,
         else where the model is); the model goes back afterwards
@@ -92,6 +95,7 @@ class QuantizationAwareDistillationModifier(Modifier):
     rescale_every: int = _DEFAULT["rescale_every"]
     save_every: int = _DEFAULT["save_every"]
     mode: str = _DEFAULT["mode"]
+    backward: str = _DEFAULT["backward"]
     state_dir: str | None = None
     device: str | None = None
     # It trains on the calibration data, which it reads itself (``state.data.calib``),
@@ -115,7 +119,7 @@ class QuantizationAwareDistillationModifier(Modifier):
             steps=self.steps, lr=self.lr, lr_4bit=self.lr_4bit, seed=self.seed,
             windows=self.windows, holdout=self.holdout, check_every=self.check_every,
             rise=self.rise, rescale_every=self.rescale_every, save_every=self.save_every,
-            mode=self.mode)
+            mode=self.mode, backward=self.backward)
         settings.check()
         windows = _training_windows(state, self.windows + self.holdout, self.seed)
         units = find_units(model, windows[:1, :16])
