@@ -3,11 +3,13 @@ and short trials per block, component and GEMM, with their rank correlation), th
 train-trial of its policy against all-BF16, all-FP4 and NVIDIA's rule from one start.
 
     .venv/bin/python -m bench training [--windows 4] [--tokens 256] [--trial-steps 4]
-        [--seeds 2] [--steps 8] [--monitor-every 4] [--recipe nvfp4]
+        [--seeds 2] [--steps 8] [--monitor-every 4] [--recipe nvfp4] [--estimate-only]
+        [--out bench/results/training.json]
 
 The analysis uses the fp4sense cache: a run stopped in its trials resumes.
 
-Writes bench/results/training.json (the figures, the wall times) and
+Writes bench/results/training.json (the figures, the wall times, the diagnosis's cost in
+all-BF16 training steps of the trials' batch, timed in the same run) and
 bench/results/training-report.md (analyze-training's report.md, the tables).
 """
 
@@ -36,6 +38,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", default="nvfp4")
     parser.add_argument("--estimate-only", action="store_true",
                         help="the estimate and the policy only: no trials, no train-trial")
+    parser.add_argument("--out", type=Path, default=RESULTS / "training.json",
+                        help="the figures (the report beside it, NAME-report.md)")
 
 
 def _timed(cmd: list[str]) -> tuple[float, str]:
@@ -44,6 +48,28 @@ def _timed(cmd: list[str]) -> tuple[float, str]:
     if proc.returncode:
         sys.exit(proc.stderr[-3000:])
     return time.perf_counter() - t, proc.stdout
+
+
+def bf16_step_s(windows: int, tokens: int, batch: int = 2, steps: int = 3) -> float:
+    """Seconds of one all-BF16 AdamW training step of the bundled model on ``batch``
+    calibration windows of ``tokens`` (the trials' step), the mean of ``steps`` after one
+    warm-up: the unit of the diagnosis-cost target."""
+    import torch
+
+    from fp4sense.inputs.models import analysis_windows, load_model
+
+    model, tok, _ = load_model(None)
+    data = analysis_windows(tok, None, max(windows, batch), tokens)[:batch]
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    times = []
+    for _ in range(steps + 1):
+        t = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        model(input_ids=data, labels=data).loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t)
+    return sum(times[1:]) / steps
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,8 +90,11 @@ def run(args: argparse.Namespace) -> int:
                                 *size, "--out", str(work / "t"), "--json"])
         trial = json.loads((work / "t" / "trial.json").read_text())
     blocks = result["views"]["block"]
+    step_s = bf16_step_s(args.windows, args.tokens)
     out = {"command": command("training", args.argv), "model": result["model"],
            "recipe": result["recipe"], "analysis_s": round(analysis_s, 1),
+           "bf16_step_s": round(step_s, 2),
+           "analysis_in_bf16_steps": round(analysis_s / step_s, 1),
            "train_trial_s": None if trial_s is None else round(trial_s, 1),
            "rank_correlation": result["rank_correlation"],
            "blocks_by_estimate": [r["block"] for r in sorted(
@@ -83,11 +112,12 @@ def run(args: argparse.Namespace) -> int:
                "arms": json.loads(line)["arms"], "differences": trial["differences"],
                "stop_helping": trial["stop_helping"],
                "events": {n: a["events"] for n, a in trial["arms"].items()}}}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "training.json").write_text(json.dumps(out, indent=1))
+    args.out.parent.mkdir(exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1))
     report = (work / "a" / "report.md").read_text().splitlines()  # its plots stay behind
-    (RESULTS / "training-report.md").write_text(
+    args.out.with_name(f"{args.out.stem}-report.md").write_text(
         "\n".join(ln for ln in report if not ln.startswith("![")) + "\n")
-    print(json.dumps({k: out[k] for k in ("analysis_s", "train_trial_s", "rank_correlation",
+    print(json.dumps({k: out[k] for k in ("analysis_s", "bf16_step_s", "analysis_in_bf16_steps",
+                                          "train_trial_s", "rank_correlation",
                                           "train_trial")}, indent=1))
     return 0
