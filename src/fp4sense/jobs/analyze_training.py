@@ -38,7 +38,13 @@ from fp4sense.training.estimate import (
 )
 from fp4sense.training.exports import EXPORTS, write_exports
 from fp4sense.training.policy import solve_policy
-from fp4sense.training.trials import Arm, paired_differences, run_trials
+from fp4sense.training.trials import (
+    Arm,
+    Monitor,
+    TrialResult,
+    paired_differences,
+    run_trials,
+)
 from fp4sense.training.views import build_views, measured_arms, rank_correlations
 
 __all__ = ["TRAINING_FILES", "analyze_training"]
@@ -164,7 +170,6 @@ def _trials(model, train, held, units, recipe, views, store, seeds, steps, lr, p
     bar.close()
     for part in distributed.gather(results):
         results.update(part)
-    from fp4sense.training.trials import Monitor, TrialResult
 
     as_results = {n: TrialResult(d["loss"], d["se"], d["loss_bf16"], d["se_bf16"],
                                  d["per_seed"], d["curves"], Monitor())

@@ -64,7 +64,6 @@ class Recipe:
     rht: bool = False  # 16x16 Hadamard on wgrad's operands, along the tokens
     stochastic_rounding: bool = False  # the gradient dY (dgrad and wgrad copies)
     weight_2d: bool = False  # 16x16 weight tiles: dgrad sees fprop's codes, transposed
-    bits: float = 16.0  # bits a value, scales included (for the cost model)
     source: str = ""
 
     def but(self, **knobs) -> Recipe:
@@ -115,12 +114,12 @@ def get_recipe(name: str | Recipe) -> Recipe:
 
 
 register_recipe(Recipe("nvfp4", "e2m1", 16, "nvfp4", rht=True, stochastic_rounding=True,
-                       weight_2d=True, bits=4.5, source="Transformer Engine NVFP4BlockScaling"))
-register_recipe(Recipe("mxfp4", "e2m1", 32, "floor", bits=4.25,
+                       weight_2d=True, source="Transformer Engine NVFP4BlockScaling"))
+register_recipe(Recipe("mxfp4", "e2m1", 32, "floor",
                        source="OCP MX v1.0; torchao to_mx (FLOOR)"))
-register_recipe(Recipe("mxfp8", "e4m3", 32, "rceil", bits=8.25,
+register_recipe(Recipe("mxfp8", "e4m3", 32, "rceil",
                        source="torchao 0.18 MXFP8TrainingOpConfig (RCEIL)"))
-register_recipe(Recipe("bf16", None, bits=16.0, source="high precision"))
+register_recipe(Recipe("bf16", None, source="high precision"))
 
 
 @dataclass

@@ -12,7 +12,7 @@ import torch
 from transformers import TrainerCallback
 
 from fp4sense.structure.units import find_units
-from fp4sense.training.estimate import NSR_LIMIT, estimate_training
+from fp4sense.training.estimate import estimate_training
 from fp4sense.training.trials import Monitor
 
 __all__ = ["FP4TrainingMonitor"]
@@ -58,10 +58,6 @@ class FP4TrainingMonitor(TrainerCallback):
 
     def report(self) -> dict:
         """``{"events": [...], "stop_helping": {unit: step}, "nsr": {unit: [...]}}``."""
-        stop = {}
-        for unit, ratios in self.monitor.nsr.items():
-            first = next((i for i, r in enumerate(ratios) if r > NSR_LIMIT), None)
-            if first is not None:
-                stop[unit] = self.steps[first]
+        stop = {unit: self.steps[i] for unit, i in self.monitor.first_unhelpful().items()}
         return {"events": self.monitor.events, "stop_helping": stop, "nsr": self.monitor.nsr,
                 "steps": self.steps}

@@ -58,14 +58,19 @@ class Monitor:
             self.events.append(f"step {i}: loss spike {loss:.4g} (mean before "
                                f"{sum(before) / len(before):.4g})")
 
-    def stop_helping(self, every: int) -> dict[str, int]:
-        """unit -> the first step its noise-to-signal ratio is above 1/√3."""
+    def first_unhelpful(self) -> dict[str, int]:
+        """unit -> the index of the first check its noise-to-signal ratio is above 1/√3."""
         out = {}
         for unit, ratios in self.nsr.items():
             first = next((i for i, r in enumerate(ratios) if r > NSR_LIMIT), None)
             if first is not None:
-                out[unit] = first * every
+                out[unit] = first
         return out
+
+    def stop_helping(self, every: int) -> dict[str, int]:
+        """unit -> the first step its noise-to-signal ratio is above 1/√3 (checked every
+        ``every`` steps from step 0)."""
+        return {unit: i * every for unit, i in self.first_unhelpful().items()}
 
 
 @dataclass
