@@ -51,9 +51,9 @@ _TRIALS = (
     Option("seeds", "--seeds", defaults.TRAINING_SEEDS, "seeds of stochastic rounding and "
            "data order (the SE is over them)", positive_int),
     Option("trial_steps", "--trial-steps", defaults.TRIAL_STEPS, "optimizer steps of each "
-           "trial", positive_int),
-    Option("trial_lr", "--trial-lr", defaults.TRIAL_LR, "AdamW learning rate of the trials",
-           positive_float),
+           "trial (and the horizon of the estimate's gradient damage)", positive_int),
+    Option("trial_lr", "--trial-lr", defaults.TRIAL_LR, "AdamW learning rate of the trials "
+           "(and of the estimate's step)", positive_float),
 )
 
 ANALYZE_TRAINING: tuple[Option, ...] = (

@@ -50,7 +50,7 @@ def test_analyze_training_writes_every_file_and_resumes(analysis, tiny_llama, te
     policy = json.loads((out / "training-policy.json").read_text())
     assert policy["nvidia_rule"]["bf16_blocks"] and len(policy["choices"]) == 8
     entries = json.loads(next((cache / "training").glob("*.json")).read_text())
-    assert {"estimate", "estimate-mxfp8", "trial:bf16", "trial:block:0",
+    assert {"estimate-v2", "estimate-mxfp8-v2", "trial:bf16", "trial:block:0",
             "trial:gemm:wgrad"} <= set(entries)
     # a run stopped after some trials resumes: drop two, run again, the same figures
     cache_file = next((cache / "training").glob("*.json"))

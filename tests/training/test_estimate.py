@@ -1,8 +1,9 @@
 """The estimated FP4 training sensitivity measures what each GEMM alone does: a unit's
 wgrad and fprop errors from the all-at-once pass equal those of a model with only that
 GEMM of only that unit quantized; stochastic rounding's noise averages away over seeds
-(the bias stays below the error); the trials start from one place; the monitor flags
-divergence; FP4TrainingMonitor runs in a transformers Trainer."""
+(the bias stays below the error); fprop's damage is the Fisher form of its output error;
+the gradient GEMMs' damage scales with the progress at stake; the trials start from one
+place; the monitor flags divergence; FP4TrainingMonitor runs in a transformers Trainer."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ import torch
 from fp4sense.numerics.training import get_recipe
 from fp4sense.numerics.training_linear import apply_training_policy
 from fp4sense.structure.units import find_units
-from fp4sense.training.estimate import NSR_LIMIT, estimate_training, training_units
+from fp4sense.training.estimate import (
+    NSR_LIMIT,
+    estimate_training,
+    gradient_stakes,
+    training_units,
+)
 from fp4sense.training.trials import Arm, Monitor, paired_differences, run_trials
 
 FAMILY_SET = ["llama", "qwen2", "gemma2", "mistral", "qwen3_moe"]
@@ -52,8 +58,12 @@ def test_each_gemm_error_is_the_error_of_that_gemm_alone(family):
         model.load_state_dict(state)
         apply_training_policy(model, policy)
         outs = {}
+
+        def keep(m, o):
+            outs[m] = o.detach()
+            o.register_hook(lambda g: outs.__setitem__(("dy", m), g.detach()))
         hooks = [model.get_submodule(m).register_forward_hook(
-            lambda mod, i, o, m=m: outs.__setitem__(m, o.detach())) for m in unit.modules]
+            lambda mod, i, o, m=m: keep(m, o)) for m in unit.modules]
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids).loss.backward()
         for h in hooks:
@@ -70,12 +80,19 @@ def test_each_gemm_error_is_the_error_of_that_gemm_alone(family):
 
     bias = {m: model.get_submodule(m).bias for m in unit.modules}
     bias = {m: None if b is None else b.detach() for m, b in bias.items()}
+    dy = {m: exact_y.pop(("dy", m)) for m in unit.modules}
+    fprop_y = {m: fprop_y[m] for m in unit.modules}
+    # fprop's damage: ½ Σ (g ⊙ ΔY)² per predicted token, g = tokens × dY of the mean loss
+    tokens = ids.shape[0] * (ids.shape[1] - 1)
+    fisher = 0.5 * tokens * sum(float((dy[m] * (fprop_y[m] - exact_y[m])).pow(2).sum())
+                                for m in unit.modules)
     exact_y = {m: y - (bias[m] if bias[m] is not None else 0) for m, y in exact_y.items()}
     fprop_y = {m: y - (bias[m] if bias[m] is not None else 0) for m, y in fprop_y.items()}
     e = est[unit.name]
     assert e.gemms["wgrad"].rel_error == pytest.approx(rel(wgrad_g, exact_g), rel=1e-3)
     assert e.gemms["fprop"].rel_error == pytest.approx(rel(fprop_y, exact_y), rel=1e-3)
     assert 0 < e.gemms["dgrad"].rel_error < 0.5
+    assert e.gemms["fprop"].damage == pytest.approx(fisher, rel=1e-3) and fisher > 0
 
 
 def test_stochastic_rounding_noise_averages_away_over_seeds():
@@ -90,6 +107,41 @@ def test_stochastic_rounding_noise_averages_away_over_seeds():
         assert 0.9 < a.gemms["wgrad"].cosine <= 1 and a.nsr < NSR_LIMIT
     damage = [u.gemms[g].damage for u in sr for g in u.gemms]
     assert all(d >= 0 for d in damage) and sr[0].gemms["dgrad"].damage == 0  # nothing before
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_the_gradient_gemms_damage_is_their_measured_cost_shared_by_error(family):
+    model, ids = _model(family), _ids()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    kinds = {n: type(m) for n, m in model.named_modules()}
+    units = find_units(model, ids[:1, :16])
+    trained = training_units(units, model)
+    stakes = gradient_stakes(model, ids, trained, "nvfp4", lr=1e-3, steps=4, seeds=2)
+    assert set(stakes) == {"progress", "dgrad", "wgrad"}
+    assert stakes["progress"] > 0 and min(stakes.values()) >= 0  # a step helps held text
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)  # its step
+    with torch.no_grad():
+        start = float(model(input_ids=ids[2:], labels=ids[2:]).loss)
+    model(input_ids=ids[:2], labels=ids[:2]).loss.backward()
+    opt.step()
+    with torch.no_grad():
+        gained = start - float(model(input_ids=ids[2:], labels=ids[2:]).loss)
+    assert stakes["progress"] == pytest.approx(4 * gained, rel=1e-3)
+    model.load_state_dict(before)
+    model.zero_grad(set_to_none=True)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert {n: type(m) for n, m in model.named_modules()} == kinds  # its own modules
+    assert all(p.grad is None for p in model.parameters())
+    recipe = get_recipe("nvfp4").but(stochastic_rounding=False)
+    shares = estimate_training(model, ids, units, recipe, seeds=1)
+    staked = estimate_training(model, ids, units, recipe, seeds=1, stakes=stakes)
+    for g in ("dgrad", "wgrad"):
+        total = sum(e.gemms[g].damage for e in shares)
+        assert sum(e.gemms[g].damage for e in staked) == pytest.approx(stakes[g], abs=1e-12)
+        for a, b in zip(shares, staked, strict=True):
+            assert b.gemms[g].damage == pytest.approx(stakes[g] * a.gemms[g].damage / total,
+                                                      rel=1e-9, abs=1e-15)
+            assert b.gemms["fprop"].damage == a.gemms["fprop"].damage  # a level: no stake
 
 
 def test_trials_start_from_one_place_and_pair_their_seeds():

@@ -33,6 +33,7 @@ from fp4sense.training.estimate import (
     GemmError,
     UnitEstimate,
     estimate_training,
+    gradient_stakes,
     not_eligible,
     training_units,
 )
@@ -100,11 +101,18 @@ def analyze_training(
     r = get_recipe(recipe)
     key = _key(hf_model, train, r, seeds, trial_steps, trial_lr)
     store = _Store(cache_folder, key)
-    bar = tqdm(total=seeds + 1, desc="estimate (passes)", disable=not progress, leave=False)
-    est = store.get("estimate", lambda: [e.to_dict() for e in estimate_training(
-        hf_model, train, units_map, r, seeds, bar.update)])
-    est8 = store.get("estimate-mxfp8", lambda: [e.to_dict() for e in estimate_training(
-        hf_model, train, units_map, "mxfp8", 1, bar.update)]) if mxfp8 else None
+    bar = tqdm(total=seeds + 3, desc="estimate (passes)", disable=not progress, leave=False)
+    skipped = not_eligible(units, r)
+    eligible = [u for u in units if u.name not in skipped]
+
+    def estimated(rec, passes):
+        stakes = gradient_stakes(hf_model, train, eligible, rec, trial_lr, trial_steps)
+        bar.update()
+        return {"stakes": stakes, "units": [e.to_dict() for e in estimate_training(
+            hf_model, train, units_map, rec, passes, bar.update, stakes)]}
+    est = store.get("estimate-v2", lambda: estimated(r, seeds))
+    est8 = store.get("estimate-mxfp8-v2", lambda: estimated(get_recipe("mxfp8"), 1)
+                     ) if mxfp8 else None
     bar.close()
     measured = {}
     if "measured" in modes:
@@ -112,8 +120,7 @@ def analyze_training(
                                 raw_windows, context, log)
         measured = _trials(hf_model, train, held, units, r.name, views, store, seeds,
                            trial_steps, trial_lr, progress)
-    estimates = _estimates(est)
-    skipped = not_eligible(units, r)
+    estimates = _estimates(est["units"])
     for name, why in skipped.items():
         log(f"note: {name} stays BF16: {why}")
     fixed = [_bf16(u) for u in units if u.name in skipped]
@@ -124,15 +131,16 @@ def analyze_training(
                                                    "weight_2d": r.weight_2d},
               "text": text_name(text), "windows": analysis_windows,
               "window_tokens": window_tokens, "seeds": seeds, "modes": list(modes),
+              "gradient_stakes": {"steps": trial_steps, "lr": trial_lr, **est["stakes"]},
               "trials": {"steps": trial_steps, "lr": trial_lr, "eval_windows": eval_windows}
               if measured else None,
-              "units": est, "views": view_rows, "rank_correlation": rank_correlations(
+              "units": est["units"], "views": view_rows, "rank_correlation": rank_correlations(
                   view_rows),
               "not_eligible": skipped,
               "left_in_bf16": sorted(m for u in units_map.units if u not in units
                                      for m in u.modules[:1]) + units_map.outside
               + sorted(units_map.unaccounted)}
-    policy = solve_policy(estimates, _estimates(est8) if est8 else None, r.name,
+    policy = solve_policy(estimates, _estimates(est8["units"]) if est8 else None, r.name,
                           tokens_per_step, part, None if step_time_ms else bf16_share,
                           step_time_ms / 1e3 if step_time_ms else None, fixed)
     result["policy"] = policy

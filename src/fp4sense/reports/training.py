@@ -64,12 +64,17 @@ def findings(result: dict, policy: dict | None = None) -> list[str]:
 
 def write_training_report(folder: Path, result: dict, policy: dict | None,
                           exports: list[str], plots: bool) -> Path:
+    stakes = result["gradient_stakes"]
     lines = [f"# FP4 training sensitivity: {result['model']}", "",
              f"Recipe **{result['recipe']}** ({result['recipe_source']}); "
              f"{result['windows']} windows × {result['window_tokens']} tokens of "
              f"{result['text']}, {result['seeds']} seed(s); modes: "
-             f"{', '.join(result['modes'])}. Damage: the error as a share of the model's "
-             "gradient power (docs/training.md).", "", "## Findings", ""]
+             f"{', '.join(result['modes'])}. Damage: nats of training loss, fprop's the "
+             "loss its forward adds, dgrad's and wgrad's their share of what that GEMM in "
+             f"FP4 costs over {stakes['steps']} steps at lr {stakes['lr']:g}, measured ("
+             f"exact steps gain {stakes['progress']:.3g}; FP4 dgrad costs "
+             f"{stakes['dgrad']:.3g}, wgrad {stakes['wgrad']:.3g}; docs/training.md).", "",
+             "## Findings", ""]
     lines += [f"- {f}" for f in findings(result, policy)] + [""]
     views = result["views"]
     for view, key in (("block", "block"), ("component", "kind"), ("gemm", "gemm")):

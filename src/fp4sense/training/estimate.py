@@ -10,10 +10,15 @@ Per unit and GEMM (sums over the unit's linears):
   dW for wgrad);
 - wgrad also ``cosine`` (mean over seeds) and ``bias``: ‖mean over seeds of Q − R‖ / ‖R‖,
   the part stochastic rounding does not average away;
-- ``damage``: the error as a share of the model's gradient power, one scale for the three
-  GEMMs: wgrad's error power over the whole model's ‖dW‖²; dgrad's relative error
-  squared times the share of ‖dW‖² of the units before it (the gradients it feeds);
-  fprop's relative error squared (the forward reaches the loss and every gradient).
+- ``damage``, in nats of training loss, one scale for the three GEMMs: fprop's is the
+  diagonal Fisher form of its output error, ``½ Σ (g ⊙ ΔY)²`` per predicted token with
+  ``g`` the per-token gradient of the training loss at the unit's output (the inference
+  estimate's form: the loss a forward under FP4 adds, at every step). wgrad's and
+  dgrad's are that GEMM's measured cost over a run (:func:`gradient_stakes`: the loss a
+  step loses with that GEMM of every unit in FP4) shared out by each unit's part of the
+  error: wgrad's error power, and dgrad's relative error squared times the share of the
+  gradient power ‖dW‖² of the units before it (the gradients it feeds). Without
+  ``stakes`` the two are those parts as shares of the model's gradient power.
 
 And per unit the gradient noise-to-signal ratio ``nsr`` = wgrad's ``rel_error``: FP4
 gradients stop helping where ‖dW‖ falls below about √3 times the quantization noise
@@ -23,17 +28,21 @@ gradients stop helping where ‖dW‖ falls below about √3 times the quantizat
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from fp4sense.numerics.training import Recipe, get_recipe
-from fp4sense.numerics.training_linear import EmulatedLinear, gemm_operands
+from fp4sense.numerics.training_linear import (
+    EmulatedLinear,
+    apply_training_policy,
+    gemm_operands,
+)
 from fp4sense.structure.units import UnitMap
 
 __all__ = ["NSR_LIMIT", "GemmError", "UnitEstimate", "estimate_training", "not_eligible",
-           "training_units"]
+           "gradient_stakes", "training_units"]
 
 _LINEARS = (torch.nn.Linear, EmulatedLinear)
 #: above this noise-to-signal ratio of a layer's gradient, FP4 stops helping (1/√3)
@@ -76,6 +85,7 @@ class _Sums:
     """One linear's error sums over the seeds."""
 
     def __init__(self):
+        self.fisher = 0.0  # Σ (dy ⊙ ΔY)² over the passes, dy of the mean loss
         self.err = {"fprop": 0.0, "dgrad": 0.0, "wgrad": 0.0}
         self.ref = {"fprop": 0.0, "dgrad": 0.0, "wgrad": 0.0}
         self.cos, self.mean_grad, self.exact_grad, self.passes = 0.0, None, None, 0
@@ -97,9 +107,7 @@ class _Probe(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1]).float()
         w = weight.float()
         y = torch.nn.functional.linear(x, weight, bias)
-        qa, qb = gemm_operands("fprop", recipe, x2, w)
-        sums.add("fprop", qa @ qb.t(), x2 @ w.t())
-        ctx.save_for_backward(x2, w)
+        ctx.save_for_backward(x2, w)  # fprop's error is scored in backward, beside dY
         ctx.recipe, ctx.sums, ctx.generator = recipe, sums, generator
         ctx.dtypes = (x.dtype, weight.dtype)
         return y
@@ -109,6 +117,10 @@ class _Probe(torch.autograd.Function):
         x2, w = ctx.saved_tensors
         dy = grad_out.reshape(-1, grad_out.shape[-1]).float()
         dx, dw = dy @ w, dy.t() @ x2
+        qa, qb = gemm_operands("fprop", ctx.recipe, x2, w)
+        y, error = x2 @ w.t(), qa @ qb.t() - x2 @ w.t()
+        ctx.sums.add("fprop", y + error, y)
+        ctx.sums.fisher += float((dy * error).pow(2).sum())
         for gemm, exact in (("dgrad", dx), ("wgrad", dw)):
             qa, qb = gemm_operands(gemm, ctx.recipe, x2, w, dy, ctx.generator)
             ctx.sums.add(gemm, (qa @ qb.t())[:, : exact.shape[1]], exact)
@@ -141,7 +153,8 @@ def not_eligible(units, recipe: str | Recipe) -> dict[str, str]:
 
 def estimate_training(model: torch.nn.Module, windows: torch.Tensor, units: UnitMap,
                       recipe: str | Recipe, seeds: int = 2,
-                      progress: Callable[[int], None] | None = None) -> list[UnitEstimate]:
+                      progress: Callable[[int], None] | None = None,
+                      stakes: Mapping[str, float] | None = None) -> list[UnitEstimate]:
     """The estimate of every unit's three GEMMs under ``recipe`` from ``seeds`` passes over
     ``windows`` (n, T) token ids, one batch (the GEMMs see all n·T tokens, as a training
     step's). The model's parameters are left as they were (gradients cleared)."""
@@ -173,11 +186,13 @@ def estimate_training(model: torch.nn.Module, windows: torch.Tensor, units: Unit
             else:
                 module.forward = forward
         model.zero_grad(set_to_none=True)
-    return _collect(trained, sums, windows.numel())
+    predicted = windows.shape[0] * (windows.shape[1] - 1)  # the mean loss's tokens
+    return _collect(trained, sums, predicted, stakes)
 
 
-def _collect(trained, sums: dict[str, _Sums], tokens: int) -> list[UnitEstimate]:
-    out, err_power = [], {}
+def _collect(trained, sums: dict[str, _Sums], tokens: int,
+             stakes: Mapping[str, float] | None) -> list[UnitEstimate]:
+    out, err_power, fisher = [], {}, {}
     for u in trained:
         parts = [sums[m] for m in u.modules]
         flops = 2 * sum(i * o for i, o in zip(u.inputs, u.out_features, strict=True))
@@ -191,12 +206,67 @@ def _collect(trained, sums: dict[str, _Sums], tokens: int) -> list[UnitEstimate]
         bias = sum(float((p.mean_grad / p.passes - p.exact_grad).pow(2).sum()) for p in parts)
         w.bias = math.sqrt(bias / (e.grad_power or 1.0))
         err_power[u.name] = sum(p.err["wgrad"] for p in parts) / max(parts[0].passes, 1)
+        # per-token gradients are tokens × dy (dy: of the mean loss): ½ Σ (g ⊙ ΔY)² / tokens
+        fisher[u.name] = 0.5 * tokens * sum(p.fisher for p in parts) / max(parts[0].passes, 1)
         out.append(e)
     total = sum(e.grad_power for e in out) or 1.0
     before = 0.0
     for e in out:  # units in forward order: dgrad feeds the ones before
         e.gemms["wgrad"].damage = err_power[e.name] / total
         e.gemms["dgrad"].damage = e.gemms["dgrad"].rel_error ** 2 * before / total
-        e.gemms["fprop"].damage = e.gemms["fprop"].rel_error ** 2
+        e.gemms["fprop"].damage = fisher[e.name]
         before += e.grad_power
+    for gemm in ("dgrad", "wgrad") if stakes is not None else ():  # shares of the cost
+        share = sum(e.gemms[gemm].damage for e in out) or 1.0
+        for e in out:
+            e.gemms[gemm].damage *= stakes[gemm] / share
     return out
+
+
+def gradient_stakes(model: torch.nn.Module, windows: torch.Tensor, units, recipe: str | Recipe,
+                    lr: float, steps: int, seeds: int = 1) -> dict[str, float]:
+    """What the gradient GEMMs' FP4 costs a run of ``steps`` steps, in nats of the loss on
+    text it does not train on. From the present weights (restored after), one AdamW step
+    at ``lr`` on the first half of ``windows`` (a trial's batch), scored by the loss of the
+    other half: ``progress``, what an exact step gains; ``dgrad`` and ``wgrad``, what the
+    step loses when that GEMM of every unit of ``units`` runs in ``recipe`` (mean over
+    ``seeds`` draws of stochastic rounding); each times ``steps``, at least 0. One window:
+    it is both halves. Memory: a copy of the weights on the CPU, the gradients; no
+    optimizer state (AdamW's first step is ``lr · g / (|g| + eps)``)."""
+    half = max(1, len(windows) // 2)
+    batch, held = windows[:half], windows[half:] if len(windows) > 1 else windows
+    start = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, _LINEARS)}
+    name = get_recipe(recipe).name
+    was_training = model.training
+
+    def held_loss(policy, generator=None) -> float:
+        model.load_state_dict(start)
+        apply_training_policy(model, policy, default="bf16", generator=generator)
+        model.train()
+        model.zero_grad(set_to_none=True)
+        model(input_ids=batch, labels=batch).loss.backward()
+        with torch.no_grad():  # AdamW's first step, no moments kept: lr · g / (|g| + eps)
+            for param in model.parameters():
+                if param.grad is not None:
+                    param -= lr * param.grad / (param.grad.abs() + 1e-8)
+            return float(model(input_ids=held, labels=held).loss)
+
+    try:
+        with torch.no_grad():
+            before = float(model(input_ids=held, labels=held).loss)
+        exact = held_loss({})
+        out = {"progress": max(0.0, steps * (before - exact))}
+        for gemm in ("dgrad", "wgrad"):
+            policy = {m: {gemm: name} for u in units for m in u.modules}
+            lost = [held_loss(policy, torch.Generator(windows.device).manual_seed(seed))
+                    - exact for seed in range(seeds)]
+            out[gemm] = max(0.0, steps * sum(lost) / len(lost))
+        return out
+    finally:
+        for n, module in linears.items():  # the model's own modules again
+            parent, _, leaf = n.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, module)
+        model.load_state_dict(start)
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
