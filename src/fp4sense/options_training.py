@@ -103,6 +103,8 @@ TRAIN_TRIAL: tuple[Option, ...] = (
            "noise-to-signal checks", positive_int),
     Option("out_dir", "--out", None, "output folder (trial.json, report.md, loss curves)",
            Path, required=True),
+    Option("cache", "--no-cache", True, "neither read nor write the cache of finished arms",
+           switch=True),
     Option("plots", "--no-plots", True, "skip the PNG plots", switch=True),
     *_PLACEMENT,
 )

@@ -86,6 +86,41 @@ def test_train_trial_prints_its_arms_on_one_line(analysis, tiny_llama, text_file
 
 
 @pytest.mark.slow
+def test_train_trial_stopped_by_ctrl_c_resumes_at_the_next_arm(analysis, tiny_llama,
+                                                                 text_file, tmp_path):
+    import signal
+    import time
+
+    out, _, _ = analysis
+    cache = tmp_path / "cache"
+    args = [FP4SENSE, "train-trial", str(tiny_llama), "--policy",
+            str(out / "training-policy.json"), "--steps", "60", "--text", str(text_file),
+            "--analysis-windows", "4", "--tokens", "48", "--eval-windows", "2",
+            "--monitor-every", "30", "--out", str(tmp_path / "trial"), "--json"]
+    env = {**os.environ, "FP4SENSE_CACHE": str(cache)}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                      signal.SIG_DFL))
+    deadline = time.time() + 300
+    while time.time() < deadline and not list((cache / "training").glob("*.json")):
+        time.sleep(0.02)  # the first arm is written when it finishes
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("fp4sense: interrupted")
+    assert not (tmp_path / "trial").exists()  # no partial output folder
+    stored = next((cache / "training").glob("*.json"))
+    entries = json.loads(stored.read_text())
+    assert 1 <= len(entries) < 4 and next(iter(entries)).startswith("arm:bf16:")
+    entries[next(iter(entries))]["loss"] = 123.0  # read back, not trained again
+    stored.write_text(json.dumps(entries))
+    again = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads(again.stdout)["arms"]["bf16"]["loss"] == 123.0
+    assert len(json.loads(stored.read_text())) == 4
+
+
+@pytest.mark.slow
 def test_bad_training_input_is_one_line_and_loses_nothing(analysis, tiny_llama, text_file,
                                                           tmp_path):
     out, _, _ = analysis

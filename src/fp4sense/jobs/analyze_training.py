@@ -8,13 +8,11 @@ trials resumes at the next arm."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 from fp4sense import defaults, options_training
@@ -28,7 +26,7 @@ from fp4sense.runtime import distributed
 from fp4sense.runtime.devices import resolve
 from fp4sense.runtime.outputs import check_analysis_output, local_inputs, record_written
 from fp4sense.structure.lineage import text_name
-from fp4sense.structure.units import find_units, model_fingerprint, model_name
+from fp4sense.structure.units import find_units, model_name
 from fp4sense.training.estimate import (
     GemmError,
     UnitEstimate,
@@ -39,13 +37,8 @@ from fp4sense.training.estimate import (
 )
 from fp4sense.training.exports import EXPORTS, write_exports
 from fp4sense.training.policy import solve_policy
-from fp4sense.training.trials import (
-    Arm,
-    Monitor,
-    TrialResult,
-    paired_differences,
-    run_trials,
-)
+from fp4sense.training.store import RunStore, run_key
+from fp4sense.training.trials import Arm, TrialResult, paired_differences, run_trials
 from fp4sense.training.views import build_views, measured_arms, rank_correlations
 
 __all__ = ["TRAINING_FILES", "analyze_training"]
@@ -99,8 +92,9 @@ def analyze_training(
     units_map = find_units(hf_model, train[:1, :16])
     units = training_units(units_map, hf_model)
     r = get_recipe(recipe)
-    key = _key(hf_model, train, r, seeds, trial_steps, trial_lr)
-    store = _Store(cache_folder, key)
+    key = run_key(hf_model, [train], [r.name, r.rht, r.stochastic_rounding, r.weight_2d,
+                                      seeds, trial_steps, trial_lr])
+    store = RunStore(cache_folder, key)
     bar = tqdm(total=seeds + 3, desc="estimate (passes)", disable=not progress, leave=False)
     skipped = not_eligible(units, r)
     eligible = [u for u in units if u.name not in skipped]
@@ -179,44 +173,7 @@ def _trials(model, train, held, units, recipe, views, store, seeds, steps, lr, p
     for part in distributed.gather(results):
         results.update(part)
 
-    as_results = {n: TrialResult(d["loss"], d["se"], d["loss_bf16"], d["se_bf16"],
-                                 d["per_seed"], d["curves"], Monitor())
-                  for n, d in results.items()}
-    return paired_differences(as_results)
-
-
-def _key(model, windows: torch.Tensor, recipe, seeds, steps, lr) -> str:
-    h = hashlib.sha256()
-    h.update(model_fingerprint(model).encode())
-    h.update(windows.cpu().numpy().tobytes())
-    h.update(json.dumps([recipe.name, recipe.rht, recipe.stochastic_rounding,
-                         recipe.weight_2d, seeds, steps, lr, str(next(
-                             model.parameters()).dtype)]).encode())
-    return h.hexdigest()[:24]
-
-
-class _Store:
-    """The cache of one run's pieces (estimates, each trial): read back when there,
-    written as each one finishes (a stopped run resumes)."""
-
-    def __init__(self, folder: Path | None, key: str):
-        self.path = None if folder is None else folder / f"{key}.json"
-        self.data = {}
-        if self.path is not None and self.path.is_file():
-            try:
-                self.data = json.loads(self.path.read_text())
-            except ValueError:
-                self.data = {}  # a damaged entry is computed again
-
-    def get(self, name: str, compute):
-        if name not in self.data:
-            self.data[name] = compute()
-            if self.path is not None and distributed.is_main():
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = self.path.with_suffix(".tmp")
-                tmp.write_text(json.dumps(self.data))
-                tmp.replace(self.path)
-        return self.data[name]
+    return paired_differences({n: TrialResult.from_dict(d) for n, d in results.items()})
 
 
 def _notes(path: Path) -> list[str]:

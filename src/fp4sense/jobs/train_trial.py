@@ -3,10 +3,12 @@
 ``policy`` train from one start with the same data order and seeds; each arm's
 held-aside loss (under its own forward, and in BF16) ± SE over seeds, the paired
 differences to ``bf16``, the loss curves and the stability monitor's events go into
-trial.json, report.md and loss-curves.png."""
+trial.json, report.md and loss-curves.png. Each finished arm is cached: a run stopped by
+Ctrl-C or SIGTERM resumes at the next arm."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -26,7 +28,8 @@ from fp4sense.runtime.outputs import check_analysis_output, local_inputs, record
 from fp4sense.structure.lineage import text_name
 from fp4sense.structure.units import find_units, model_name
 from fp4sense.training.policy import policy_linears
-from fp4sense.training.trials import Arm, paired_differences, run_trials
+from fp4sense.training.store import RunStore, run_key
+from fp4sense.training.trials import Arm, TrialResult, paired_differences, run_trials
 from fp4sense.validate import InputError, read_json
 
 __all__ = ["ARMS", "TRIAL_FILES", "read_policy", "train_trial"]
@@ -68,6 +71,7 @@ def train_trial(
     lr: float = defaults.TRIAL_LR,
     monitor_every: int = 4,
     out_dir: str | os.PathLike | None = None,
+    cache: bool | str | os.PathLike = True,
     plots: bool = True,
     device: str = "cpu",
     dtype: str | None = None,
@@ -79,9 +83,8 @@ def train_trial(
     check(options_training.TRAIN_TRIAL, locals(), "train_trial")
     plan = read_policy(policy)
     placement = resolve(device, dtype, log=log)
-    if out_dir is not None:
-        check_analysis_output(out_dir, False, local_inputs(
-            model or default_model_path(), text, eval_text, policy), writes=TRIAL_FILES)
+    cache_folder = check_analysis_output(out_dir, cache, local_inputs(
+        model or default_model_path(), text, eval_text, policy), "training", TRIAL_FILES)
     hf_model, tokenizer, _ = load_model(model, placement.dtype, placement.device)
     names = {n for n, _ in hf_model.named_modules()}
     missing = [m for ch in plan["choices"] for m in ch["modules"] if m not in names]
@@ -99,11 +102,18 @@ def train_trial(
             Arm("nvidia-rule", policy_linears(plan, rule=True)),
             Arm("policy", policy_linears(plan))]
     units = find_units(hf_model, train[:1, :16])
+    store = RunStore(cache_folder, run_key(hf_model, [train, held], [
+        "train-trial", steps, seeds, lr, monitor_every, recipe]))
     bar = tqdm(total=len(arms) * seeds * steps, desc="train-trial (steps)",
                disable=not progress)
-    results = run_trials(hf_model, train, held, arms, steps, seeds, lr, monitor_units=units,
-                         monitor_recipe=recipe, monitor_every=monitor_every,
-                         progress=bar.update)
+    results = {}
+    for arm in arms:  # each finished arm is kept: a stopped run resumes at the next
+        key = hashlib.sha256(json.dumps(arm.policy, sort_keys=True).encode()).hexdigest()
+        results[arm.name] = TrialResult.from_dict(store.get(
+            f"arm:{arm.name}:{key[:16]}", lambda arm=arm: run_trials(
+                hf_model, train, held, [arm], steps, seeds, lr, monitor_units=units,
+                monitor_recipe=recipe, monitor_every=monitor_every,
+                progress=bar.update)[arm.name].to_dict()))
     bar.close()
     out = {"model": model_name(hf_model, model or ""), "recipe": recipe,
            "text": text_name(text), "eval_text": text_name(eval_text), "steps": steps,

@@ -89,7 +89,15 @@ class TrialResult:
     def to_dict(self) -> dict:
         return {"loss": self.loss, "se": self.se, "loss_bf16": self.loss_bf16,
                 "se_bf16": self.se_bf16, "per_seed": self.per_seed, "curves": self.curves,
-                "events": self.monitor.events}
+                "events": self.monitor.events, "nsr": self.monitor.nsr}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> TrialResult:
+        """:meth:`to_dict` read back (a cached arm): its monitor as the first seed's."""
+        monitor = Monitor(list(d["curves"][0]) if d["curves"] else [], dict(d.get("nsr", {})),
+                          list(d.get("events", [])))
+        return cls(d["loss"], d["se"], d["loss_bf16"], d["se_bf16"], list(d["per_seed"]),
+                   [list(c) for c in d["curves"]], monitor)
 
 
 def unit_policy(units, recipe: str | Recipe) -> dict[str, str]:
