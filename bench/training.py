@@ -3,7 +3,8 @@ and short trials per block, component and GEMM, with their rank correlation), th
 train-trial of its policy against all-BF16, all-FP4 and NVIDIA's rule from one start.
 
     .venv/bin/python -m bench training [--windows 4] [--tokens 256] [--trial-steps 4]
-        [--seeds 2] [--steps 8] [--monitor-every 4] [--recipe nvfp4] [--estimate-only] [--no-cache]
+        [--seeds 2] [--steps 8] [--monitor-every 4] [--recipe nvfp4] [--estimate-only]
+        [--no-mxfp8] [--no-cache]
         [--out bench/results/training.json]
 
 The analysis uses the fp4sense cache: a run stopped in its trials resumes.
@@ -38,6 +39,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", default="nvfp4")
     parser.add_argument("--estimate-only", action="store_true",
                         help="the estimate and the policy only: no trials, no train-trial")
+    parser.add_argument("--no-mxfp8", action="store_true",
+                        help="the policy picks BF16 or FP4 per GEMM (NVIDIA's rule's menu)")
     parser.add_argument("--no-cache", action="store_true",
                         help="analyze without the fp4sense cache (for its wall time)")
     parser.add_argument("--out", type=Path, default=RESULTS / "training.json",
@@ -82,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     analysis_s, _ = _timed([FP4SENSE, "analyze-training", *size, "--recipe", args.recipe,
                             "--mode", mode, "--trial-steps", str(args.trial_steps),
                             "--out", str(work / "a"), "--json",
-                            *(["--no-cache"] if args.no_cache else [])])
+                            *(["--no-cache"] if args.no_cache else []),
+                            *(["--no-mxfp8"] if args.no_mxfp8 else [])])
     result = json.loads((work / "a" / "training-sensitivity.json").read_text())
     policy = json.loads((work / "a" / "training-policy.json").read_text())
     trial_s, line, trial = None, None, None

@@ -118,9 +118,9 @@ class _Probe(torch.autograd.Function):
         dy = grad_out.reshape(-1, grad_out.shape[-1]).float()
         dx, dw = dy @ w, dy.t() @ x2
         qa, qb = gemm_operands("fprop", ctx.recipe, x2, w)
-        y, error = x2 @ w.t(), qa @ qb.t() - x2 @ w.t()
-        ctx.sums.add("fprop", y + error, y)
-        ctx.sums.fisher += float((dy * error).pow(2).sum())
+        q, y = qa @ qb.t(), x2 @ w.t()
+        ctx.sums.add("fprop", q, y)
+        ctx.sums.fisher += float((dy * (q - y)).pow(2).sum())
         for gemm, exact in (("dgrad", dx), ("wgrad", dw)):
             qa, qb = gemm_operands(gemm, ctx.recipe, x2, w, dy, ctx.generator)
             ctx.sums.add(gemm, (qa @ qb.t())[:, : exact.shape[1]], exact)
