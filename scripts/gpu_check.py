@@ -144,7 +144,7 @@ def _training(dev: str, out: Path, results: dict) -> None:
     trial = _step(f"train-trial {dev}", dev, lambda: train_trial(
         policy=out / f"training-{dev.replace(':', '')}" / "training-policy.json", steps=8,
         analysis_windows=8, window_tokens=256, device=dev, dtype="float32",
-        out_dir=out / "trial", progress=False), results) if runs[dev] else None
+        out_dir=out / "trial", cache=False, progress=False), results) if runs[dev] else None
     if trial is not None:
         losses = [a["loss"] for a in trial["arms"].values()]
         results["train_trial"] = {n: a["loss"] for n, a in trial["arms"].items()}

@@ -71,7 +71,7 @@ def test_train_trial_prints_its_arms_on_one_line(analysis, tiny_llama, text_file
     out, _, _ = analysis
     proc = _run("train-trial", tiny_llama, "--policy", out / "training-policy.json",
                 "--steps", "3", "--text", text_file, "--analysis-windows", "4", "--tokens",
-                "48", "--eval-windows", "2", "--monitor-every", "2", "--out",
+                "48", "--eval-windows", "2", "--monitor-every", "2", "--no-cache", "--out",
                 tmp_path / "trial", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
