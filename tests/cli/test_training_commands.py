@@ -94,9 +94,9 @@ def test_train_trial_stopped_by_ctrl_c_resumes_at_the_next_arm(analysis, tiny_ll
     out, _, _ = analysis
     cache = tmp_path / "cache"
     args = [FP4SENSE, "train-trial", str(tiny_llama), "--policy",
-            str(out / "training-policy.json"), "--steps", "60", "--text", str(text_file),
+            str(out / "training-policy.json"), "--steps", "16", "--text", str(text_file),
             "--analysis-windows", "4", "--tokens", "48", "--eval-windows", "2",
-            "--monitor-every", "30", "--out", str(tmp_path / "trial"), "--json"]
+            "--monitor-every", "8", "--out", str(tmp_path / "trial"), "--json"]
     env = {**os.environ, "FP4SENSE_CACHE": str(cache)}
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, preexec_fn=lambda: signal.signal(signal.SIGINT,
