@@ -8,7 +8,8 @@ it. Results written before 0.6 record ``python bench/NAME.py ...``: the same run
 
 Experiments: analysis, analysis_memory, bf16_speed, calibration_dtype, gptq_scores,
 import_time, input_clip, moe, moe_serve, paper_estimate, plan_select, plans, qad_backward,
-qad_lr, ranks, rotation, scale_search, scaling, smollm2_moe, stack, stack_table, training.
+qad_lr, ranks, rotation, scale_search, scaling, smollm2_moe, stack, stack_table, training,
+training_noise.
 """
 
 from __future__ import annotations

@@ -49,11 +49,13 @@ def test_analyze_training_writes_every_file_and_resumes(analysis, tiny_llama, te
     assert summary["findings"] and summary["predicted_damage"] >= 0
     policy = json.loads((out / "training-policy.json").read_text())
     assert policy["nvidia_rule"]["bf16_blocks"] and len(policy["choices"]) == 8
-    entries = json.loads(next((cache / "training").glob("*.json")).read_text())
-    assert {"estimate-v2", "estimate-mxfp8-v2", "trial:bf16", "trial:block:0",
-            "trial:gemm:wgrad"} <= set(entries)
+    stored = {p: json.loads(p.read_text()) for p in (cache / "training").glob("*.json")}
+    arms = ["bf16", "block:0", "block:1", "gemm:fprop", "gemm:dgrad", "gemm:wgrad",
+            *(f"component:{r['kind']}" for r in result["views"]["component"])]
+    assert sorted(map(sorted, stored.values())) == [  # the trials keyed by their held text too
+        ["estimate-mxfp8-v2", "estimate-v2"], sorted(f"trial:{a}" for a in arms)]
     # a run stopped after some trials resumes: drop two, run again, the same figures
-    cache_file = next((cache / "training").glob("*.json"))
+    cache_file, entries = next((p, e) for p, e in stored.items() if "trial:bf16" in e)
     entries.pop("trial:block:1")
     entries.pop("trial:gemm:dgrad")
     cache_file.write_text(json.dumps(entries))
@@ -64,6 +66,14 @@ def test_analyze_training_writes_every_file_and_resumes(analysis, tiny_llama, te
     assert json.loads((again / "training-sensitivity.json").read_text())["views"] == \
         result["views"]
     assert "trial:block:1" in json.loads(cache_file.read_text())
+    # other held-aside windows: the estimate read back, the trials run anew
+    proc = _run("analyze-training", tiny_llama, "--text", text_file, *SMALL[:4],
+                "--eval-windows", "1", "--mode", "both", "--views", "gemm", "--trial-steps",
+                "2", "--out", out.parent / "third", env={"FP4SENSE_CACHE": str(cache)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list((cache / "training").glob("*.json"))) == 3
+    third = json.loads((out.parent / "third" / "training-sensitivity.json").read_text())
+    assert third["views"]["gemm"] != result["views"]["gemm"]
 
 
 @pytest.mark.slow

@@ -3,8 +3,8 @@ FP4. Estimates every unit's three GEMMs (one pass per seed), measures short tria
 block, component and GEMM where asked, solves the policy under the budget, and writes
 training-sensitivity.json, training-policy.json, the exports, report.md and plots.
 
-The results are cached by model, text windows, recipe and settings: a run stopped in its
-trials resumes at the next arm."""
+The results are cached by model, text windows (the trials' also by their held-aside
+windows), recipe and settings: a run stopped in its trials resumes at the next arm."""
 
 from __future__ import annotations
 
@@ -92,9 +92,9 @@ def analyze_training(
     units_map = find_units(hf_model, train[:1, :16])
     units = training_units(units_map, hf_model)
     r = get_recipe(recipe)
-    key = run_key(hf_model, [train], [r.name, r.rht, r.stochastic_rounding, r.weight_2d,
-                                      seeds, trial_steps, trial_lr])
-    store = RunStore(cache_folder, key)
+    settings = [r.name, r.rht, r.stochastic_rounding, r.weight_2d, seeds, trial_steps,
+                trial_lr]
+    store = RunStore(cache_folder, run_key(hf_model, [train], settings))
     bar = tqdm(total=seeds + 3, desc="estimate (passes)", disable=not progress, leave=False)
     skipped = not_eligible(units, r)
     eligible = [u for u in units if u.name not in skipped]
@@ -112,7 +112,8 @@ def analyze_training(
     if "measured" in modes:
         held = protocol_windows(tokenizer, "evaluation", eval_windows, None, window_tokens,
                                 raw_windows, context, log)
-        measured = _trials(hf_model, train, held, units, r.name, views, store, seeds,
+        trials = RunStore(cache_folder, run_key(hf_model, [train, held], settings))
+        measured = _trials(hf_model, train, held, units, r.name, views, trials, seeds,
                            trial_steps, trial_lr, progress)
     estimates = _estimates(est["units"])
     for name, why in skipped.items():

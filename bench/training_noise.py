@@ -1,0 +1,107 @@
+"""How far the trials' held-aside text lets the training estimate's block ranking agree
+with them: the loss each block's FP4 forward adds, measured on the evaluation text in
+chunks the size of the trials' held-aside set, ranked chunk against chunk.
+
+    .venv/bin/python -m bench training_noise [--windows 4] [--tokens 256] [--trial-steps 4]
+        [--seeds 3] [--eval-windows 4] [--chunks 4] [--recipe nvfp4]
+        [--out bench/results/training_noise.json]
+
+The trials score each arm on ``--eval-windows`` windows (1,024 tokens by default). A
+block's FP4 forward moves that loss by about 0.01 nats, and which blocks rank first then
+depends on which 1,024 tokens were drawn. Per block, with only its forward GEMMs in FP4
+(from the model's own weights, no training): the loss change on each of ``--chunks``
+chunks of the evaluation text, the first chunk being the trials' own held-aside windows.
+Reports Spearman's rho between chunks (how well one chunk's ranking predicts another's),
+of the estimate against the chunks' mean, and of the trials against their own chunk.
+
+The estimate and the trials come from analyze-training with the fp4sense cache and the
+settings of ``python -m bench training`` (run that first, or the trials run here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+
+from bench.harness import RESULTS, command
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--windows", type=int, default=4, help="analysis windows")
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--trial-steps", type=int, default=4)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--eval-windows", type=int, default=4,
+                        help="the trials' held-aside windows: one chunk")
+    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--recipe", default="nvfp4")
+    parser.add_argument("--out", type=Path, default=RESULTS / "training_noise.json")
+
+
+def _rho(a, b) -> float:
+    from scipy.stats import spearmanr
+
+    return round(float(spearmanr(a, b).statistic), 3)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from fp4sense.api import analyze_training
+    from fp4sense.inputs.models import load_model
+    from fp4sense.inputs.texts import model_context, protocol_windows
+    from fp4sense.numerics.training_linear import apply_training_policy
+
+    t0 = time.perf_counter()
+    result = analyze_training(None, recipe=args.recipe, modes=("estimated", "measured"),
+                              views=("block",), analysis_windows=args.windows,
+                              window_tokens=args.tokens, eval_windows=args.eval_windows,
+                              seeds=args.seeds, trial_steps=args.trial_steps, plots=False,
+                              progress=False, log=lambda m: None)
+    rows = result["views"]["block"]
+    model, tokenizer, _ = load_model(None)
+    held = protocol_windows(tokenizer, "evaluation", args.chunks * args.eval_windows, None,
+                            args.tokens, False, model_context(model.config), print)
+    chunks = held.split(args.eval_windows)
+    model.eval()
+
+    @torch.no_grad()
+    def losses(policy) -> list[float]:
+        apply_training_policy(model, policy, default="bf16")
+        return [float(model(input_ids=c, labels=c).loss) for c in chunks]
+
+    base = losses({})
+    forward = {}  # block -> the loss its FP4 forward adds, per chunk
+    for u in result["units"]:
+        forward.setdefault(u["block"], []).extend(u["modules"])
+    for block, modules in forward.items():
+        forward[block] = [q - b for q, b in zip(losses(
+            {m: {"fprop": result["recipe"]} for m in modules}), base, strict=True)]
+        print(f"block {block}: {[round(d, 4) for d in forward[block]]}", flush=True)
+    blocks = [r["block"] for r in rows]
+    per_chunk = [[forward[b][c] for b in blocks] for c in range(len(chunks))]
+    mean = [sum(forward[b]) / len(chunks) for b in blocks]
+    estimate = [r["damage"]["total"] for r in rows]
+    trial = [r["measured"]["delta"] for r in rows]
+    between = [_rho(per_chunk[i], per_chunk[j])
+               for i, j in itertools.combinations(range(len(chunks)), 2)]
+    rest = [sum(forward[b][1:]) / (len(chunks) - 1) for b in blocks]
+    out = {"command": command("training_noise", args.argv), "model": result["model"],
+           "recipe": result["recipe"], "tokens_per_chunk": args.eval_windows * args.tokens,
+           "chunks": len(chunks), "wall_s": round(time.perf_counter() - t0, 1),
+           "rho_between_chunks": between,
+           "rho_between_chunks_mean": round(sum(between) / len(between), 3),
+           "rho_trials_chunk_vs_other_chunks": _rho(per_chunk[0], rest),
+           "rho_estimate_vs_forward_all_chunks": _rho(estimate, mean),
+           "rho_estimate_vs_forward_other_chunks": _rho(estimate, rest),
+           "rho_estimate_vs_trials": _rho(estimate, trial),
+           "rho_trials_vs_forward_trials_chunk": _rho(trial, per_chunk[0]),
+           "rho_trials_vs_forward_other_chunks": _rho(trial, rest),
+           "blocks": [{"block": b, "estimate": e, "trial": t, "forward": forward[b]}
+                      for b, e, t in zip(blocks, estimate, trial, strict=True)]}
+    args.out.write_text(json.dumps(out, indent=1))
+    print(json.dumps({k: v for k, v in out.items() if k != "blocks"}, indent=1))
+    return 0
