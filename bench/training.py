@@ -2,8 +2,9 @@
 and short trials per block, component and GEMM, with their rank correlation), then
 train-trial of its policy against all-BF16, all-FP4 and NVIDIA's rule from one start.
 
-    .venv/bin/python -m bench training [--windows 4] [--tokens 256] [--trial-steps 4]
-        [--seeds 2] [--steps 8] [--monitor-every 4] [--recipe nvfp4] [--estimate-only]
+    .venv/bin/python -m bench training [--windows 4] [--tokens 256] [--eval-windows 4]
+        [--trial-steps 4] [--seeds 2] [--steps 8] [--monitor-every 4] [--recipe nvfp4]
+        [--estimate-only]
         [--no-mxfp8] [--no-cache]
         [--out bench/results/training.json]
 
@@ -32,6 +33,8 @@ FP4SENSE = str(Path(sys.executable).parent / "fp4sense")
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--windows", type=int, default=4, help="analysis windows")
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--eval-windows", type=int, default=4,
+                        help="held-aside windows of the trials and train-trial")
     parser.add_argument("--trial-steps", type=int, default=4)
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8, help="train-trial steps")
@@ -80,7 +83,7 @@ def bf16_step_s(windows: int, tokens: int, batch: int = 2, steps: int = 3) -> fl
 def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="fp4sense-training-"))
     size = ["--analysis-windows", str(args.windows), "--tokens", str(args.tokens),
-            "--seeds", str(args.seeds)]
+            "--seeds", str(args.seeds), "--eval-windows", str(args.eval_windows)]
     mode = "estimated" if args.estimate_only else "both"
     analysis_s, _ = _timed([FP4SENSE, "analyze-training", *size, "--recipe", args.recipe,
                             "--mode", mode, "--trial-steps", str(args.trial_steps),

@@ -129,7 +129,7 @@ def _training(dev: str, out: Path, results: dict) -> None:
 
     from fp4sense.api import analyze_training, train_trial
 
-    common = dict(analysis_windows=4, window_tokens=256, seeds=2, views=["gemm"],
+    common = dict(analysis_windows=4, eval_windows=4, window_tokens=256, seeds=2, views=["gemm"],
                   modes=["estimated", "measured"], trial_steps=4, cache=False,
                   plots=False, progress=False, dtype="float32")
     runs = {d: _step(f"analyze-training {d}", d, lambda d=d: analyze_training(
@@ -143,7 +143,7 @@ def _training(dev: str, out: Path, results: dict) -> None:
             worst, worst < 0.05)
     trial = _step(f"train-trial {dev}", dev, lambda: train_trial(
         policy=out / f"training-{dev.replace(':', '')}" / "training-policy.json", steps=8,
-        analysis_windows=8, window_tokens=256, device=dev, dtype="float32",
+        analysis_windows=8, eval_windows=4, window_tokens=256, device=dev, dtype="float32",
         out_dir=out / "trial", cache=False, progress=False), results) if runs[dev] else None
     if trial is not None:
         losses = [a["loss"] for a in trial["arms"].values()]

@@ -67,8 +67,9 @@ ANALYZE_TRAINING: tuple[Option, ...] = (
            convert=lambda m: ("measured", "estimated") if m == "both" else (m,)),
     *windows("analysis_windows", defaults.ANALYSIS_WINDOWS, "windows of the passes and "
              "the trials' training batches (calibration split)", renamed=False),
-    Option("eval_windows", "--eval-windows", 4, "held-aside windows the trials are scored on "
-           "(evaluation split)", positive_int),
+    Option("eval_windows", "--eval-windows", defaults.EVAL_WINDOWS, "held-aside windows the "
+           "trials are scored on (evaluation split; fewer rank blocks by the text drawn)",
+           positive_int),
     *_TRIALS,
     Option("bf16_share", "--bf16-share", defaults.BF16_SHARE, "the policy's budget: the "
            "BF16 share of the linear GEMM FLOPs (as a step time: the rest in FP4)", share),
@@ -95,7 +96,8 @@ TRAIN_TRIAL: tuple[Option, ...] = (
            "evaluation split)"),
     *windows("analysis_windows", 16, "training windows (the batches: 2 windows each)",
              renamed=False),
-    Option("eval_windows", "--eval-windows", 4, "held-aside windows", positive_int),
+    Option("eval_windows", "--eval-windows", defaults.EVAL_WINDOWS, "held-aside windows",
+           positive_int),
     Option("seeds", "--seeds", defaults.TRAINING_SEEDS, "seeds of stochastic rounding and "
            "data order", positive_int),
     Option("lr", "--lr", defaults.TRIAL_LR, "AdamW learning rate", positive_float),

@@ -57,7 +57,7 @@ def analyze_training(
     analysis_windows: int = defaults.ANALYSIS_WINDOWS,
     window_tokens: int = defaults.WINDOW_TOKENS,
     raw_windows: bool = False,
-    eval_windows: int = 4,
+    eval_windows: int = defaults.EVAL_WINDOWS,
     seeds: int = defaults.TRAINING_SEEDS,
     trial_steps: int = defaults.TRIAL_STEPS,
     trial_lr: float = defaults.TRIAL_LR,

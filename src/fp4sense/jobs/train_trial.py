@@ -66,7 +66,7 @@ def train_trial(
     analysis_windows: int = 16,
     window_tokens: int = defaults.WINDOW_TOKENS,
     raw_windows: bool = False,
-    eval_windows: int = 4,
+    eval_windows: int = defaults.EVAL_WINDOWS,
     seeds: int = defaults.TRAINING_SEEDS,
     lr: float = defaults.TRIAL_LR,
     monitor_every: int = 4,
