@@ -46,6 +46,8 @@ def test_analyze_training_writes_every_file_and_resumes(analysis, tiny_llama, te
     assert {v for v in result["views"]} == {"block", "component", "gemm"}
     assert all("measured" in row for rows in result["views"].values() for row in rows)
     assert set(result["rank_correlation"]) == {"component", "gemm"}  # 2 blocks: too few
+    assert "(gemm view): Spearman" in (out / "report.md").read_text()
+    assert "trials scored on 96 held-aside tokens" in (out / "report.md").read_text()
     assert summary["findings"] and summary["predicted_damage"] >= 0
     policy = json.loads((out / "training-policy.json").read_text())
     assert policy["nvidia_rule"]["bf16_blocks"] and len(policy["choices"]) == 8

