@@ -4,7 +4,7 @@ train-trial of its policy against all-BF16, all-FP4 and NVIDIA's rule from one s
 
     .venv/bin/python -m bench training [--windows 4] [--tokens 256] [--eval-windows 4]
         [--trial-steps 4] [--seeds 2] [--steps 8] [--monitor-every 4] [--recipe nvfp4]
-        [--estimate-only]
+        [--estimate-only | --no-train-trial]
         [--no-mxfp8] [--no-cache]
         [--out bench/results/training.json]
 
@@ -42,6 +42,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", default="nvfp4")
     parser.add_argument("--estimate-only", action="store_true",
                         help="the estimate and the policy only: no trials, no train-trial")
+    parser.add_argument("--no-train-trial", action="store_true",
+                        help="analyze-training in both modes only: no train-trial arms")
     parser.add_argument("--no-mxfp8", action="store_true",
                         help="the policy picks BF16 or FP4 per GEMM (NVIDIA's rule's menu)")
     parser.add_argument("--no-cache", action="store_true",
@@ -93,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     result = json.loads((work / "a" / "training-sensitivity.json").read_text())
     policy = json.loads((work / "a" / "training-policy.json").read_text())
     trial_s, line, trial = None, None, None
-    if not args.estimate_only:
+    if not (args.estimate_only or args.no_train_trial):
         trial_s, line = _timed([FP4SENSE, "train-trial", "--policy",
                                 str(work / "a" / "training-policy.json"), "--steps",
                                 str(args.steps), "--monitor-every", str(args.monitor_every),
@@ -107,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
            "analysis_in_bf16_steps": round(analysis_s / step_s, 1),
            "train_trial_s": None if trial_s is None else round(trial_s, 1),
            "rank_correlation": result["rank_correlation"],
+           "trial_agreement": result.get("trial_agreement"),
            "blocks_by_estimate": [r["block"] for r in sorted(
                blocks, key=lambda r: -r["damage"]["total"])],
            "blocks_by_trial": [r["block"] for r in sorted(
@@ -129,5 +132,5 @@ def run(args: argparse.Namespace) -> int:
         "\n".join(ln for ln in report if not ln.startswith("![")) + "\n")
     print(json.dumps({k: out[k] for k in ("analysis_s", "bf16_step_s", "analysis_in_bf16_steps",
                                           "train_trial_s", "rank_correlation",
-                                          "train_trial")}, indent=1))
+                                          "trial_agreement", "train_trial")}, indent=1))
     return 0

@@ -48,6 +48,10 @@ def test_analyze_training_writes_every_file_and_resumes(analysis, tiny_llama, te
     assert set(result["rank_correlation"]) == {"component", "gemm"}  # 2 blocks: too few
     assert "(gemm view): Spearman" in (out / "report.md").read_text()
     assert "trials scored on 96 held-aside tokens" in (out / "report.md").read_text()
+    measured = [row["measured"] for rows in result["views"].values() for row in rows]
+    assert all(len(m["per_window"]) == 2 and m["se"] >= m["se_seeds"] for m in measured)
+    assert set(result["trial_agreement"]) == {"component", "gemm"}  # one window a half
+    assert "against the other half" in (out / "report.md").read_text()
     assert summary["findings"] and summary["predicted_damage"] >= 0
     policy = json.loads((out / "training-policy.json").read_text())
     assert policy["nvidia_rule"]["bf16_blocks"] and len(policy["choices"]) == 8
@@ -93,6 +97,8 @@ def test_train_trial_prints_its_arms_on_one_line(analysis, tiny_llama, text_file
     assert all(set(a) == {"loss", "se"} and a["loss"] > 0 for a in arms.values())
     trial = json.loads((tmp_path / "trial" / "trial.json").read_text())
     assert trial["differences"].keys() == {"all-fp4", "nvidia-rule", "policy"}
+    assert all(d["se_text"] is not None and len(d["per_window"]) == 2
+               for d in trial["differences"].values())  # the text drawn counted in the SE
     assert (tmp_path / "trial" / "loss-curves.png").is_file()
     assert "## Stability" in (tmp_path / "trial" / "report.md").read_text()
 

@@ -3,9 +3,13 @@ wgrad and fprop errors from the all-at-once pass equal those of a model with onl
 GEMM of only that unit quantized; stochastic rounding's noise averages away over seeds
 (the bias stays below the error); fprop's damage is the Fisher form of its output error;
 the gradient GEMMs' damage scales with the progress at stake; the trials start from one
-place; the monitor flags divergence; FP4TrainingMonitor runs in a transformers Trainer."""
+place and count the text drawn in their SE; the monitor flags divergence;
+FP4TrainingMonitor runs in a transformers Trainer."""
 
 from __future__ import annotations
+
+import math
+import statistics
 
 import pytest
 import torch
@@ -19,7 +23,14 @@ from fp4sense.training.estimate import (
     gradient_stakes,
     training_units,
 )
-from fp4sense.training.trials import Arm, Monitor, paired_differences, run_trials
+from fp4sense.training.trials import (
+    Arm,
+    Monitor,
+    TrialResult,
+    held_aside_losses,
+    paired_differences,
+    run_trials,
+)
 
 FAMILY_SET = ["llama", "qwen2", "gemma2", "mistral", "qwen3_moe"]
 
@@ -154,8 +165,38 @@ def test_trials_start_from_one_place_and_pair_their_seeds():
     assert r["bf16"].per_seed == r["again"].per_seed  # same start, data order and seeds
     assert r["fp4"].per_seed != r["bf16"].per_seed
     diff = paired_differences(r)
-    assert diff["again"] == (0.0, 0.0)
+    assert (diff["again"].delta, diff["again"].se, diff["again"].se_text) == (0.0, 0.0, 0.0)
+    assert diff["again"].per_window == [0.0, 0.0]  # two held-aside windows
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    # the windows' losses average to the loss over all held-aside windows
+    for seed_loss, windows in zip(r["fp4"].per_seed, r["fp4"].per_window, strict=True):
+        assert len(windows) == 2 and sum(windows) / 2 == pytest.approx(seed_loss, abs=1e-6)
+    with torch.no_grad():
+        whole = float(model(input_ids=ids[8:], labels=ids[8:]).loss)
+    assert held_aside_losses(model, ids[8:], batch=1) == pytest.approx(
+        [float(model(input_ids=w[None], labels=w[None]).loss) for w in ids[8:]], rel=1e-6)
+    assert sum(held_aside_losses(model, ids[8:])) / 2 == pytest.approx(whole, rel=1e-6)
+
+
+def _result(per_window):
+    per_seed = [sum(w) / len(w) for w in per_window]
+    return TrialResult(sum(per_seed) / len(per_seed), 0.0, 0.0, 0.0, per_seed, [], Monitor(),
+                       per_window)
+
+
+def test_paired_differences_count_the_text_drawn_as_well_as_the_seeds():
+    base = _result([[3.0, 4.0, 5.0], [3.2, 4.1, 5.3]])
+    arm = _result([[3.1, 4.3, 5.2], [3.2, 4.4, 5.6]])  # differences .1 .3 .2 / 0 .3 .3
+    d = paired_differences({"bf16": base, "arm": arm})["arm"]
+    assert d.per_window == pytest.approx([0.05, 0.3, 0.25])
+    assert d.delta == pytest.approx(0.2)
+    assert d.se_seeds == pytest.approx(0.0)  # both seeds' window means differ by 0.2
+    assert d.se_text == pytest.approx(statistics.stdev([0.05, 0.3, 0.25]) / 3 ** 0.5)
+    assert d.se == pytest.approx(math.hypot(d.se_seeds, d.se_text))
+    cached = {n: TrialResult.from_dict({**r.to_dict(), "per_window": []})  # an older cache
+              for n, r in (("bf16", base), ("arm", arm))}
+    old = paired_differences(cached)["arm"]
+    assert old.se_text is None and old.se == old.se_seeds and old.per_window == []
 
 
 def test_the_monitor_names_spikes_and_divergence():

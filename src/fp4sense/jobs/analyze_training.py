@@ -39,7 +39,12 @@ from fp4sense.training.exports import EXPORTS, write_exports
 from fp4sense.training.policy import solve_policy
 from fp4sense.training.store import RunStore, run_key
 from fp4sense.training.trials import Arm, TrialResult, paired_differences, run_trials
-from fp4sense.training.views import build_views, measured_arms, rank_correlations
+from fp4sense.training.views import (
+    build_views,
+    measured_arms,
+    rank_correlations,
+    trial_agreement,
+)
 
 __all__ = ["TRAINING_FILES", "analyze_training"]
 
@@ -130,7 +135,7 @@ def analyze_training(
               "trials": {"steps": trial_steps, "lr": trial_lr, "eval_windows": eval_windows}
               if measured else None,
               "units": est["units"], "views": view_rows, "rank_correlation": rank_correlations(
-                  view_rows),
+                  view_rows), "trial_agreement": trial_agreement(view_rows),
               "not_eligible": skipped,
               "left_in_bf16": sorted(m for u in units_map.units if u not in units
                                      for m in u.modules[:1]) + units_map.outside

@@ -120,8 +120,7 @@ def train_trial(
            "seeds": seeds, "lr": lr, "windows": analysis_windows,
            "window_tokens": window_tokens,
            "arms": {n: r.to_dict() for n, r in results.items()},
-           "differences": {n: {"delta": d, "se": se} for n, (d, se) in
-                           paired_differences(results).items()},
+           "differences": {n: d.to_dict() for n, d in paired_differences(results).items()},
            "stop_helping": {n: r.monitor.stop_helping(monitor_every)
                             for n, r in results.items()}}
     for name, r in results.items():

@@ -50,10 +50,14 @@ def findings(result: dict, policy: dict | None = None) -> list[str]:
                    f"where FP4 gradients stop helping: {', '.join(hurt[:5])}"
                    + (" ..." if len(hurt) > 5 else ""))
     held = (result.get("trials") or {}).get("eval_windows", 0) * result["window_tokens"]
+    agree = result.get("trial_agreement") or {}
     for view, rho in (result.get("rank_correlation") or {}).items():
         if rho is not None:
+            own = ("" if agree.get(view) is None else f"; the trials on one half of those "
+                   f"tokens against the other half: {agree[view]:.2f}")
             out.append(f"Estimate vs trials ({view} view): Spearman {rho:.2f} (trials "
-                       f"scored on {held:,} held-aside tokens: fewer rank by the text drawn).")
+                       f"scored on {held:,} held-aside tokens: fewer rank by the text drawn"
+                       f"{own}).")
     if policy:
         rule = policy["nvidia_rule"]
         out.append(f"Policy at {policy['budget']['step_time_s'] * 1e3:.4g} ms of linear GEMMs "

@@ -1,6 +1,7 @@
 """Short FP4 training trials: a few optimizer steps from one start, with the same data
 order and seeds, under different precision policies, each scored by its loss on
-held-aside windows against the all-BF16 run's (± SE over seeds).
+held-aside windows against the all-BF16 run's: paired by seed and window, ± an SE that
+counts both the seeds and the text drawn (the windows).
 
 - the measured sensitivity: one trial per unit or block with only it in FP4 (all three
   GEMMs as the recipe says), the rest BF16;
@@ -26,7 +27,8 @@ from fp4sense.numerics.training import Recipe, get_recipe
 from fp4sense.numerics.training_linear import apply_training_policy
 from fp4sense.training.estimate import NSR_LIMIT, estimate_training
 
-__all__ = ["Arm", "Monitor", "TrialResult", "paired_differences", "run_trials", "unit_policy"]
+__all__ = ["Arm", "Difference", "Monitor", "TrialResult", "held_aside_losses",
+           "paired_differences", "run_trials", "unit_policy"]
 
 SPIKE = 1.5
 DIVERGED = 3.0
@@ -75,8 +77,9 @@ class Monitor:
 
 @dataclass
 class TrialResult:
-    """An arm's held-aside loss (mean over seeds) and SE, in BF16 and under the recipe's
-    forward, and its monitor of the first seed."""
+    """An arm's held-aside loss (mean over seeds) and SE over seeds, in BF16 and under the
+    recipe's forward, each held-aside window's loss per seed (the recipe's forward), and
+    its monitor of the first seed."""
 
     loss: float
     se: float
@@ -85,11 +88,13 @@ class TrialResult:
     per_seed: list[float]
     curves: list[list[float]]
     monitor: Monitor
+    per_window: list[list[float]] = field(default_factory=list)  # seed -> window -> loss
 
     def to_dict(self) -> dict:
         return {"loss": self.loss, "se": self.se, "loss_bf16": self.loss_bf16,
                 "se_bf16": self.se_bf16, "per_seed": self.per_seed, "curves": self.curves,
-                "events": self.monitor.events, "nsr": self.monitor.nsr}
+                "events": self.monitor.events, "nsr": self.monitor.nsr,
+                "per_window": self.per_window}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> TrialResult:
@@ -97,7 +102,8 @@ class TrialResult:
         monitor = Monitor(list(d["curves"][0]) if d["curves"] else [], dict(d.get("nsr", {})),
                           list(d.get("events", [])))
         return cls(d["loss"], d["se"], d["loss_bf16"], d["se_bf16"], list(d["per_seed"]),
-                   [list(c) for c in d["curves"]], monitor)
+                   [list(c) for c in d["curves"]], monitor,
+                   [list(w) for w in d.get("per_window", [])])  # cached before: none
 
 
 def unit_policy(units, recipe: str | Recipe) -> dict[str, str]:
@@ -116,8 +122,16 @@ def _mean_se(values: list[float]) -> tuple[float, float]:
 
 
 @torch.no_grad()
-def _held_aside_loss(model, windows: torch.Tensor) -> float:
-    return float(model(input_ids=windows, labels=windows).loss)
+def held_aside_losses(model, windows: torch.Tensor, batch: int = 4) -> list[float]:
+    """Each window's mean next-token loss (windows of one length: their mean is the loss
+    over all of them), ``batch`` windows a forward."""
+    out = []
+    for part in windows.split(batch):
+        logits = model(input_ids=part).logits[:, :-1].float()
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), part[:, 1:],
+                                                 reduction="none")
+        out += loss.mean(dim=1).tolist()
+    return out
 
 
 def run_trials(model: torch.nn.Module, train: torch.Tensor, held: torch.Tensor,
@@ -132,7 +146,7 @@ def run_trials(model: torch.nn.Module, train: torch.Tensor, held: torch.Tensor,
     start = copy.deepcopy(model.state_dict())
     results = {}
     for arm in arms:
-        losses, bf16_losses, curves, first_monitor = [], [], [], None
+        losses, bf16_losses, curves, windows, first_monitor = [], [], [], [], None
         for seed in range(seeds):
             monitor = Monitor()
             model.load_state_dict(start)
@@ -155,24 +169,58 @@ def run_trials(model: torch.nn.Module, train: torch.Tensor, held: torch.Tensor,
                 if progress:
                     progress(1)
             model.eval()
-            losses.append(_held_aside_loss(model, held))
+            windows.append(held_aside_losses(model, held))
+            losses.append(sum(windows[-1]) / len(windows[-1]))
             apply_training_policy(model, {}, default="bf16")
-            bf16_losses.append(_held_aside_loss(model, held))
+            bf16 = held_aside_losses(model, held)
+            bf16_losses.append(sum(bf16) / len(bf16))
             curves.append(monitor.losses)
             first_monitor = first_monitor or monitor
         mean, se = _mean_se(losses)
         mean_bf16, se_bf16 = _mean_se(bf16_losses)
         results[arm.name] = TrialResult(mean, se, mean_bf16, se_bf16, losses, curves,
-                                        first_monitor)
+                                        first_monitor, windows)
     model.load_state_dict(start)
     apply_training_policy(model, {}, default="bf16")
     return results
 
 
+@dataclass
+class Difference:
+    """An arm's held-aside loss minus the base arm's, paired by seed and window. ``se``
+    counts both the seeds (``se_seeds``: over the seeds' window means) and the text drawn
+    (``se_text``: over the windows' seed means; None for trials cached without their
+    windows), added in quadrature; ``per_window``: each window's seed-mean difference."""
+
+    delta: float
+    se: float
+    se_seeds: float
+    se_text: float | None = None
+    per_window: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"delta": self.delta, "se": self.se, "se_seeds": self.se_seeds,
+                "se_text": self.se_text, "per_window": self.per_window}
+
+
 def paired_differences(results: dict[str, TrialResult], base: str = "bf16"
-                       ) -> dict[str, tuple[float, float]]:
-    """arm -> (loss difference to ``base``, SE of the difference paired by seed: the same
-    data order and draws on both sides)."""
-    ref = results[base].per_seed
-    return {name: _mean_se([a - b for a, b in zip(r.per_seed, ref, strict=True)])
-            for name, r in results.items() if name != base}
+                       ) -> dict[str, Difference]:
+    """arm -> its :class:`Difference` to ``base`` (the same data order, draws and held-aside
+    windows on both sides)."""
+    ref = results[base]
+    out = {}
+    for name, r in results.items():
+        if name == base:
+            continue
+        delta, se_seeds = _mean_se([a - b for a, b in zip(r.per_seed, ref.per_seed,
+                                                          strict=True)])
+        if not (r.per_window and ref.per_window):
+            out[name] = Difference(delta, se_seeds, se_seeds)
+            continue
+        by_seed = [[a - b for a, b in zip(x, y, strict=True)]
+                   for x, y in zip(r.per_window, ref.per_window, strict=True)]
+        per_window = [sum(col) / len(col) for col in zip(*by_seed, strict=True)]
+        se_text = _mean_se(per_window)[1]
+        out[name] = Difference(delta, math.hypot(se_seeds, se_text), se_seeds, se_text,
+                               per_window)
+    return out

@@ -1,7 +1,8 @@
 """The views of the FP4 training sensitivity: per block, per component (a unit kind in
 every block) and per GEMM, the estimated damage summed over their units, the measured
-trial beside it (the arm with just that block, kind or GEMM in FP4), and the estimate's
-rank correlation with the trials in each view."""
+trial beside it (the arm with just that block, kind or GEMM in FP4), the estimate's rank
+correlation with the trials in each view, and the trials' agreement with themselves (the
+two halves of their held-aside windows), the most the first could show."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from scipy.stats import spearmanr
 
 from fp4sense.numerics.training import GEMMS
 from fp4sense.training.estimate import UnitEstimate
+from fp4sense.training.trials import Difference
 
-__all__ = ["build_views", "measured_arms", "rank_correlations"]
+__all__ = ["build_views", "measured_arms", "rank_correlations", "trial_agreement"]
 
 
 def measured_arms(units: Sequence[UnitEstimate], recipe: str, views: Sequence[str]
@@ -40,12 +42,12 @@ def _sum(units: Sequence[UnitEstimate]) -> dict[str, float]:
 
 
 def build_views(units: Sequence[UnitEstimate], views: Sequence[str],
-                measured: Mapping[str, tuple[float, float]] | None = None) -> dict:
+                measured: Mapping[str, Difference] | None = None) -> dict:
     measured = measured or {}
 
     def with_measured(row: dict, arm: str) -> dict:
         if arm in measured:
-            row["measured"] = {"delta": measured[arm][0], "se": measured[arm][1]}
+            row["measured"] = measured[arm].to_dict()
         return row
 
     out = {}
@@ -65,16 +67,36 @@ def build_views(units: Sequence[UnitEstimate], views: Sequence[str],
     return out
 
 
+def _rho(a, b) -> float | None:
+    rho = spearmanr(a, b).statistic
+    return None if rho != rho else float(rho)  # NaN: a constant side
+
+
 def rank_correlations(views: dict) -> dict[str, float | None]:
     """Spearman's rho of estimated damage against measured Δ loss in each view with at
-    least three measured rows (None: too few, or no spread)."""
+    least three measured rows (None: no spread)."""
     out = {}
     for view, rows in views.items():
         pairs = [((r["damage"]["total"] if isinstance(r["damage"], dict) else r["damage"]),
                   r["measured"]["delta"]) for r in rows if "measured" in r]
-        if len(pairs) < 3:
-            continue
-        est, meas = zip(*pairs, strict=True)
-        rho = spearmanr(est, meas).statistic
-        out[view] = None if rho != rho else float(rho)  # NaN: a constant side
+        if len(pairs) >= 3:
+            out[view] = _rho(*zip(*pairs, strict=True))
+    return out
+
+
+def trial_agreement(views: dict) -> dict[str, float | None]:
+    """Per view with at least three measured rows and two held-aside windows each: Spearman's
+    rho of the trials' Δ loss on the first half of the windows against the second half's.
+    What the same trials rank differently on other text bounds what any estimate can
+    show against them."""
+    out = {}
+    for view, rows in views.items():
+        halves = []
+        for r in rows:
+            w = (r.get("measured") or {}).get("per_window") or []
+            if len(w) >= 2:
+                h = len(w) // 2
+                halves.append((sum(w[:h]) / h, sum(w[h:]) / (len(w) - h)))
+        if len(halves) >= 3:
+            out[view] = _rho(*zip(*halves, strict=True))
     return out
