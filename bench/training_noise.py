@@ -29,6 +29,13 @@ from pathlib import Path
 from bench.harness import RESULTS, command
 
 
+def _two_or_more(value: str) -> int:
+    if not value.isdigit() or int(value) < 2:
+        raise argparse.ArgumentTypeError(f"{value!r}: at least 2 chunks, to rank one "
+                                         "against another")
+    return int(value)
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--windows", type=int, default=4, help="analysis windows")
     parser.add_argument("--tokens", type=int, default=256)
@@ -36,7 +43,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--eval-windows", type=int, default=4,
                         help="the trials' held-aside windows: one chunk")
-    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--chunks", type=_two_or_more, default=4,
+                        help="chunks of --eval-windows each (at least 2: ranked in pairs)")
     parser.add_argument("--recipe", default="nvfp4")
     parser.add_argument("--out", type=Path, default=RESULTS / "training_noise.json")
 
@@ -74,12 +82,13 @@ def run(args: argparse.Namespace) -> int:
         return [float(model(input_ids=c, labels=c).loss) for c in chunks]
 
     base = losses({})
-    forward = {}  # block -> the loss its FP4 forward adds, per chunk
+    modules: dict[int, list[str]] = {}  # block -> its linears
     for u in result["units"]:
-        forward.setdefault(u["block"], []).extend(u["modules"])
-    for block, modules in forward.items():
+        modules.setdefault(u["block"], []).extend(u["modules"])
+    forward = {}  # block -> the loss its FP4 forward adds, per chunk
+    for block, names in modules.items():
         forward[block] = [q - b for q, b in zip(losses(
-            {m: {"fprop": result["recipe"]} for m in modules}), base, strict=True)]
+            {m: {"fprop": result["recipe"]} for m in names}), base, strict=True)]
         print(f"block {block}: {[round(d, 4) for d in forward[block]]}", flush=True)
     blocks = [r["block"] for r in rows]
     per_chunk = [[forward[b][c] for b in blocks] for c in range(len(chunks))]
