@@ -82,6 +82,33 @@ def bf16_step_s(windows: int, tokens: int, batch: int = 2, steps: int = 3) -> fl
     return sum(times[1:]) / steps
 
 
+def by_windows(views: dict, eval_windows: int) -> dict:
+    """Per view with three trials or more: the estimate's Spearman rho against the trials
+    scored on their first 4, 8, ... held-aside windows (each window's Δ loss, seed mean,
+    is in the trials' rows), to show what more text does to it."""
+    from scipy.stats import spearmanr
+
+    out = {}
+    for view, rows in views.items():
+        rows = [r for r in rows if (r.get("measured") or {}).get("per_window")]
+        if len(rows) < 3:
+            continue
+        est = [r["damage"]["total"] if isinstance(r["damage"], dict) else r["damage"]
+               for r in rows]
+        out[view] = {n: round(float(spearmanr(est, [sum(r["measured"]["per_window"][:n]) / n
+                                                  for r in rows]).statistic), 3)
+                     for n in (4, 8, 12, 16, 24, 32) if n <= eval_windows}
+    return out
+
+
+def ceiling(agreement: dict) -> dict:
+    """Per view, from the trials' split-half rho r: about what an exact estimate could
+    reach against the trials on all their windows, sqrt(2r / (1 + r)) (Spearman-Brown,
+    classical test theory; None where r <= 0)."""
+    return {v: None if r is None or r <= 0 else round((2 * r / (1 + r)) ** 0.5, 3)
+            for v, r in (agreement or {}).items()}
+
+
 def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="fp4sense-training-"))
     size = ["--analysis-windows", str(args.windows), "--tokens", str(args.tokens),
@@ -110,11 +137,14 @@ def run(args: argparse.Namespace) -> int:
            "train_trial_s": None if trial_s is None else round(trial_s, 1),
            "rank_correlation": result["rank_correlation"],
            "trial_agreement": result.get("trial_agreement"),
+           "exact_estimate_ceiling": ceiling(result.get("trial_agreement")),
+           "rank_correlation_by_windows": by_windows(result["views"], args.eval_windows),
            "blocks_by_estimate": [r["block"] for r in sorted(
                blocks, key=lambda r: -r["damage"]["total"])],
            "blocks_by_trial": [r["block"] for r in sorted(
                blocks, key=lambda r: -r["measured"]["delta"])] if mode == "both" else None,
            "gemm_view": result["views"]["gemm"], "component_view": result["views"]["component"],
+           "block_view": blocks,
            "policy": {k: policy[k] for k in ("predicted_damage", "cost_s",
                                              "bf16_flops_share", "budget", "nvidia_rule")},
            "policy_gemms": {p: sum(1 for c in policy["choices"] for g in c["gemms"].values()
@@ -132,5 +162,7 @@ def run(args: argparse.Namespace) -> int:
         "\n".join(ln for ln in report if not ln.startswith("![")) + "\n")
     print(json.dumps({k: out[k] for k in ("analysis_s", "bf16_step_s", "analysis_in_bf16_steps",
                                           "train_trial_s", "rank_correlation",
-                                          "trial_agreement", "train_trial")}, indent=1))
+                                          "trial_agreement", "exact_estimate_ceiling",
+                                          "rank_correlation_by_windows", "train_trial")},
+                     indent=1))
     return 0

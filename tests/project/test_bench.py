@@ -113,3 +113,19 @@ def test_rotation_rows_go_under_their_plain_menu():
     assert tabled["method"] == "plan + GPTQ, rotations (MX+H32)"
     assert tabled["wall_s"] == 10.0 and tabled["rotated"] == 3
     assert cell(tabled) == "0.2000<br>4.900 b, ckpt, 10 s, 3 rotated"
+
+
+def test_training_ranks_the_estimate_against_the_first_windows_and_bounds_it():
+    """bench training's rho by held-aside windows uses each trial's first n windows' mean
+    Δ; the ceiling is sqrt(2r / (1 + r)) of the trials' split-half rho r."""
+    from bench.training import by_windows, ceiling
+
+    def row(damage, per_window):
+        return {"damage": {"total": damage}, "measured": {"per_window": per_window}}
+
+    # on the first 4 windows the trials reverse the estimate; over all 8 they agree
+    rows = [row(3.0, [0, 0, 0, 0, 9, 9, 9, 9]), row(2.0, [1, 1, 1, 1, 4, 4, 4, 4]),
+            row(1.0, [2, 2, 2, 2, 0, 0, 0, 0])]
+    assert by_windows({"block": rows, "gemm": rows[:2]}, 8) == {"block": {4: -1.0, 8: 1.0}}
+    assert ceiling({"block": 0.5, "component": -0.2, "gemm": None}) == {
+        "block": round((2 / 3) ** 0.5, 3), "component": None, "gemm": None}
