@@ -173,8 +173,8 @@ def test_trials_start_from_one_place_and_pair_their_seeds():
         assert len(windows) == 2 and sum(windows) / 2 == pytest.approx(seed_loss, abs=1e-6)
     with torch.no_grad():
         whole = float(model(input_ids=ids[8:], labels=ids[8:]).loss)
-    assert held_aside_losses(model, ids[8:], batch=1) == pytest.approx(
-        [float(model(input_ids=w[None], labels=w[None]).loss) for w in ids[8:]], rel=1e-6)
+        each = [float(model(input_ids=w[None], labels=w[None]).loss) for w in ids[8:]]
+    assert held_aside_losses(model, ids[8:], batch=1) == pytest.approx(each, rel=1e-6)
     assert sum(held_aside_losses(model, ids[8:])) / 2 == pytest.approx(whole, rel=1e-6)
 
 
