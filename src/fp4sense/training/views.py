@@ -2,7 +2,7 @@
 every block) and per GEMM, the estimated damage summed over their units, the measured
 trial beside it (the arm with just that block, kind or GEMM in FP4), the estimate's rank
 correlation with the trials in each view, and the trials' agreement with themselves (the
-two halves of their held-aside windows), the most the first could show."""
+two halves of their held-aside windows), which bounds what the first can show."""
 
 from __future__ import annotations
 
