@@ -46,6 +46,9 @@ def test_analyze_training_writes_every_file_and_resumes(analysis, tiny_llama, te
     assert {v for v in result["views"]} == {"block", "component", "gemm"}
     assert all("measured" in row for rows in result["views"].values() for row in rows)
     assert set(result["rank_correlation"]) == {"component", "gemm"}  # 2 blocks: too few
+    kinds = [r["kind"] for r in result["views"]["component"]]
+    assert list(result["forward_stakes"]) == kinds  # each kind's forward cost, measured
+    assert "each kind's fprop in FP4 costs" in (out / "report.md").read_text()
     assert "(gemm view): Spearman" in (out / "report.md").read_text()
     assert "trials scored on 96 held-aside tokens" in (out / "report.md").read_text()
     measured = [row["measured"] for rows in result["views"].values() for row in rows]
@@ -59,7 +62,7 @@ def test_analyze_training_writes_every_file_and_resumes(analysis, tiny_llama, te
     arms = ["bf16", "block:0", "block:1", "gemm:fprop", "gemm:dgrad", "gemm:wgrad",
             *(f"component:{r['kind']}" for r in result["views"]["component"])]
     assert sorted(map(sorted, stored.values())) == [  # the trials keyed by their held text too
-        ["estimate-mxfp8-v2", "estimate-v2"], sorted(f"trial:{a}" for a in arms)]
+        ["estimate-mxfp8-v3", "estimate-v3"], sorted(f"trial:{a}" for a in arms)]
     # a run stopped after some trials resumes: drop two, run again, the same figures
     cache_file, entries = next((p, e) for p, e in stored.items() if "trial:bf16" in e)
     entries.pop("trial:block:1")

@@ -1,7 +1,8 @@
 """The estimated FP4 training sensitivity measures what each GEMM alone does: a unit's
 wgrad and fprop errors from the all-at-once pass equal those of a model with only that
 GEMM of only that unit quantized; stochastic rounding's noise averages away over seeds
-(the bias stays below the error); fprop's damage is the Fisher form of its output error;
+(the bias stays below the error); fprop's damage is the Fisher form of its output error,
+scaled per kind to that kind's measured forward cost;
 the gradient GEMMs' damage scales with the progress at stake; the trials start from one
 place and count the text drawn in their SE; the monitor flags divergence;
 FP4TrainingMonitor runs in a transformers Trainer."""
@@ -20,6 +21,7 @@ from fp4sense.structure.units import find_units
 from fp4sense.training.estimate import (
     NSR_LIMIT,
     estimate_training,
+    forward_stakes,
     gradient_stakes,
     training_units,
 )
@@ -153,6 +155,40 @@ def test_the_gradient_gemms_damage_is_their_measured_cost_shared_by_error(family
             assert b.gemms[g].damage == pytest.approx(stakes[g] * a.gemms[g].damage / total,
                                                       rel=1e-9, abs=1e-15)
             assert b.gemms["fprop"].damage == a.gemms["fprop"].damage  # a level: no stake
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_each_kinds_fprop_damage_is_its_measured_forward_cost_shared_by_fisher(family):
+    model, ids = _model(family), _ids()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    modules = {n: type(m) for n, m in model.named_modules()}
+    units = find_units(model, ids[:1, :16])
+    trained = training_units(units, model)
+    forward = forward_stakes(model, ids, trained, "nvfp4")
+    assert list(forward) == list(dict.fromkeys(u.kind for u in trained))
+    assert {n: type(m) for n, m in model.named_modules()} == modules  # its own modules
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    with torch.no_grad():  # each kind's fprop alone in NVFP4, every block, the rest exact
+        exact = float(model(input_ids=ids, labels=ids).loss)
+        for kind, cost in forward.items():
+            apply_training_policy(model, {m: {"fprop": "nvfp4"} for u in trained
+                                          if u.kind == kind for m in u.modules})
+            lost = float(model(input_ids=ids, labels=ids).loss) - exact
+            assert cost == pytest.approx(max(0.0, lost), abs=1e-6)
+            apply_training_policy(model, {})
+    assert any(cost > 0 for cost in forward.values())
+    recipe = get_recipe("nvfp4").but(stochastic_rounding=False)
+    fisher = estimate_training(model, ids, units, recipe, seeds=1)
+    scaled = estimate_training(model, ids, units, recipe, seeds=1, forward=forward)
+    for kind, cost in forward.items():
+        a = [e for e in fisher if e.kind == kind]
+        b = [e for e in scaled if e.kind == kind]
+        total = sum(e.gemms["fprop"].damage for e in a)
+        assert sum(e.gemms["fprop"].damage for e in b) == pytest.approx(cost, abs=1e-12)
+        for x, y in zip(a, b, strict=True):
+            assert y.gemms["fprop"].damage == pytest.approx(
+                cost * x.gemms["fprop"].damage / total, rel=1e-9, abs=1e-15)
+            assert y.gemms["wgrad"].damage == x.gemms["wgrad"].damage  # fprop's alone
 
 
 def test_trials_start_from_one_place_and_pair_their_seeds():

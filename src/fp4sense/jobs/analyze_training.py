@@ -31,6 +31,7 @@ from fp4sense.training.estimate import (
     GemmError,
     UnitEstimate,
     estimate_training,
+    forward_stakes,
     gradient_stakes,
     not_eligible,
     training_units,
@@ -100,17 +101,21 @@ def analyze_training(
     settings = [r.name, r.rht, r.stochastic_rounding, r.weight_2d, seeds, trial_steps,
                 trial_lr]
     store = RunStore(cache_folder, run_key(hf_model, [train], settings))
-    bar = tqdm(total=seeds + 3, desc="estimate (passes)", disable=not progress, leave=False)
+    bar = tqdm(total=seeds + 2 + 3 * mxfp8, desc="estimate (passes)", disable=not progress,
+               leave=False)
     skipped = not_eligible(units, r)
     eligible = [u for u in units if u.name not in skipped]
 
     def estimated(rec, passes):
         stakes = gradient_stakes(hf_model, train, eligible, rec, trial_lr, trial_steps)
         bar.update()
-        return {"stakes": stakes, "units": [e.to_dict() for e in estimate_training(
-            hf_model, train, units_map, rec, passes, bar.update, stakes)]}
-    est = store.get("estimate-v2", lambda: estimated(r, seeds))
-    est8 = store.get("estimate-mxfp8-v2", lambda: estimated(get_recipe("mxfp8"), 1)
+        forward = forward_stakes(hf_model, train, eligible, rec)
+        bar.update()
+        return {"stakes": stakes, "forward": forward, "units": [
+            e.to_dict() for e in estimate_training(hf_model, train, units_map, rec, passes,
+                                                   bar.update, stakes, forward)]}
+    est = store.get("estimate-v3", lambda: estimated(r, seeds))
+    est8 = store.get("estimate-mxfp8-v3", lambda: estimated(get_recipe("mxfp8"), 1)
                      ) if mxfp8 else None
     bar.close()
     measured = {}
@@ -132,6 +137,7 @@ def analyze_training(
               "text": text_name(text), "windows": analysis_windows,
               "window_tokens": window_tokens, "seeds": seeds, "modes": list(modes),
               "gradient_stakes": {"steps": trial_steps, "lr": trial_lr, **est["stakes"]},
+              "forward_stakes": est["forward"],
               "trials": {"steps": trial_steps, "lr": trial_lr, "eval_windows": eval_windows}
               if measured else None,
               "units": est["units"], "views": view_rows, "rank_correlation": rank_correlations(

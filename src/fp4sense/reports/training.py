@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fp4sense.numerics.training import GEMMS
+from fp4sense.structure.units import short_kind
 
 __all__ = ["PLOTS", "findings", "plot_training_views", "plot_trial", "write_training_report"]
 
@@ -68,6 +69,15 @@ def findings(result: dict, policy: dict | None = None) -> list[str]:
     return out
 
 
+def _kinds(forward: dict | None) -> str:
+    """The clause of the report's first paragraph on fprop's damage."""
+    if not forward:  # a result from before the forward's costs were measured
+        return "fprop's is its diagonal Fisher form alone"
+    return ("each kind's fprop in FP4 costs " + ", ".join(
+        f"{short_kind(k)} {v:.3g}" for k, v in forward.items())
+        + ", measured, shared out to its units by their diagonal Fisher form")
+
+
 def write_training_report(folder: Path, result: dict, policy: dict | None,
                           exports: list[str], plots: bool) -> Path:
     stakes = result["gradient_stakes"]
@@ -79,7 +89,8 @@ def write_training_report(folder: Path, result: dict, policy: dict | None,
              "loss its forward adds, dgrad's and wgrad's their share of what that GEMM in "
              f"FP4 costs over {stakes['steps']} steps at lr {stakes['lr']:g}, measured ("
              f"exact steps gain {stakes['progress']:.3g}; FP4 dgrad costs "
-             f"{stakes['dgrad']:.3g}, wgrad {stakes['wgrad']:.3g}; docs/training.md).", "",
+             f"{stakes['dgrad']:.3g}, wgrad {stakes['wgrad']:.3g}; "
+             f"{_kinds(result.get('forward_stakes'))}; docs/training.md).", "",
              "## Findings", ""]
     lines += [f"- {f}" for f in findings(result, policy)] + [""]
     views = result["views"]

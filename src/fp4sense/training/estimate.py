@@ -11,9 +11,11 @@ Per unit and GEMM (sums over the unit's linears):
 - wgrad also ``cosine`` (mean over seeds) and ``bias``: ‖mean over seeds of Q − R‖ / ‖R‖,
   the part stochastic rounding does not average away;
 - ``damage``, in nats of training loss, one scale for the three GEMMs: fprop's is the
-  diagonal Fisher form of its output error, ``½ Σ (g ⊙ ΔY)²`` per predicted token with
-  ``g`` the per-token gradient of the training loss at the unit's output (the inference
-  estimate's form: the loss a forward under FP4 adds, at every step). wgrad's and
+  loss a forward under FP4 adds, at every step: its kind's measured cost
+  (:func:`forward_stakes`: that kind's fprop in FP4 in every block) shared out by each
+  unit's diagonal Fisher form of its output error, ``½ Σ (g ⊙ ΔY)²`` per predicted token
+  with ``g`` the per-token gradient of the training loss at the unit's output (the
+  inference estimate's form); without ``forward`` that form alone. wgrad's and
   dgrad's are that GEMM's measured cost over a run (:func:`gradient_stakes`: the loss a
   step loses with that GEMM of every unit in FP4) shared out by each unit's part of the
   error: wgrad's error power, and dgrad's relative error squared times the share of the
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -42,7 +45,7 @@ from fp4sense.numerics.training_linear import (
 from fp4sense.structure.units import UnitMap
 
 __all__ = ["NSR_LIMIT", "GemmError", "UnitEstimate", "estimate_training", "not_eligible",
-           "gradient_stakes", "training_units"]
+           "forward_stakes", "gradient_stakes", "training_units"]
 
 _LINEARS = (torch.nn.Linear, EmulatedLinear)
 #: above this noise-to-signal ratio of a layer's gradient, FP4 stops helping (1/√3)
@@ -154,7 +157,8 @@ def not_eligible(units, recipe: str | Recipe) -> dict[str, str]:
 def estimate_training(model: torch.nn.Module, windows: torch.Tensor, units: UnitMap,
                       recipe: str | Recipe, seeds: int = 2,
                       progress: Callable[[int], None] | None = None,
-                      stakes: Mapping[str, float] | None = None) -> list[UnitEstimate]:
+                      stakes: Mapping[str, float] | None = None,
+                      forward: Mapping[str, float] | None = None) -> list[UnitEstimate]:
     """The estimate of every unit's three GEMMs under ``recipe`` from ``seeds`` passes over
     ``windows`` (n, T) token ids, one batch (the GEMMs see all n·T tokens, as a training
     step's). The model's parameters are left as they were (gradients cleared)."""
@@ -179,19 +183,19 @@ def estimate_training(model: torch.nn.Module, windows: torch.Tensor, units: Unit
             if progress:
                 progress(1)
     finally:
-        for name, forward in originals.items():  # the class's own forward again
+        for name, own in originals.items():  # the class's own forward again
             module = model.get_submodule(name)
-            if forward is None:
+            if own is None:
                 del module.forward
             else:
-                module.forward = forward
+                module.forward = own
         model.zero_grad(set_to_none=True)
     predicted = windows.shape[0] * (windows.shape[1] - 1)  # the mean loss's tokens
-    return _collect(trained, sums, predicted, stakes)
+    return _collect(trained, sums, predicted, stakes, forward)
 
 
-def _collect(trained, sums: dict[str, _Sums], tokens: int,
-             stakes: Mapping[str, float] | None) -> list[UnitEstimate]:
+def _collect(trained, sums: dict[str, _Sums], tokens: int, stakes: Mapping[str, float] | None,
+             forward: Mapping[str, float] | None) -> list[UnitEstimate]:
     out, err_power, fisher = [], {}, {}
     for u in trained:
         parts = [sums[m] for m in u.modules]
@@ -220,7 +224,44 @@ def _collect(trained, sums: dict[str, _Sums], tokens: int,
         share = sum(e.gemms[gemm].damage for e in out) or 1.0
         for e in out:
             e.gemms[gemm].damage *= stakes[gemm] / share
+    for kind in forward or ():  # each kind's measured forward cost, by the Fisher form
+        mine = [e.gemms["fprop"] for e in out if e.kind == kind]
+        share = sum(g.damage for g in mine)
+        for g in mine:
+            g.damage = forward[kind] * (g.damage / share if share else 1 / len(mine))
     return out
+
+
+def forward_stakes(model: torch.nn.Module, windows: torch.Tensor, units,
+                   recipe: str | Recipe) -> dict[str, float]:
+    """What each unit kind's FP4 forward costs, measured: per kind, the mean training loss
+    of ``windows`` with that kind's fprop in ``recipe`` in every block (every other GEMM
+    exact) less the exact loss, at least 0: one forward per kind, no gradients.
+    :func:`estimate_training` shares a kind's cost out to its units by their diagonal
+    Fisher form. That form ranks the units of one kind, but it counts each token's output
+    error alone, so it misjudges kinds against each other (attention's q/k/v reach every
+    later token: on SmolLM2 it rated them twice what the trials measure)."""
+    recipe = get_recipe(recipe)
+    with _linears_kept(model), torch.no_grad():
+        exact = float(model(input_ids=windows, labels=windows).loss)
+        out = {}
+        for kind in dict.fromkeys(u.kind for u in units):
+            apply_training_policy(model, {m: {"fprop": recipe} for u in units
+                                          if u.kind == kind for m in u.modules})
+            out[kind] = max(0.0, float(model(input_ids=windows, labels=windows).loss) - exact)
+    return out
+
+
+@contextmanager
+def _linears_kept(model: torch.nn.Module):
+    """The model's own linears again after a policy was applied."""
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, _LINEARS)}
+    try:
+        yield
+    finally:
+        for n, module in linears.items():
+            parent, _, leaf = n.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
 def gradient_stakes(model: torch.nn.Module, windows: torch.Tensor, units, recipe: str | Recipe,
@@ -236,8 +277,7 @@ def gradient_stakes(model: torch.nn.Module, windows: torch.Tensor, units, recipe
     half = max(1, len(windows) // 2)
     batch, held = windows[:half], windows[half:] if len(windows) > 1 else windows
     start = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, _LINEARS)}
-    name = get_recipe(recipe).name
+    recipe = get_recipe(recipe)
     was_training = model.training
 
     def held_loss(policy, generator=None) -> float:
@@ -253,20 +293,18 @@ def gradient_stakes(model: torch.nn.Module, windows: torch.Tensor, units, recipe
             return float(model(input_ids=held, labels=held).loss)
 
     try:
-        with torch.no_grad():
-            before = float(model(input_ids=held, labels=held).loss)
-        exact = held_loss({})
-        out = {"progress": max(0.0, steps * (before - exact))}
-        for gemm in ("dgrad", "wgrad"):
-            policy = {m: {gemm: name} for u in units for m in u.modules}
-            lost = [held_loss(policy, torch.Generator(windows.device).manual_seed(seed))
-                    - exact for seed in range(seeds)]
-            out[gemm] = max(0.0, steps * sum(lost) / len(lost))
-        return out
+        with _linears_kept(model):
+            with torch.no_grad():
+                before = float(model(input_ids=held, labels=held).loss)
+            exact = held_loss({})
+            out = {"progress": max(0.0, steps * (before - exact))}
+            for gemm in ("dgrad", "wgrad"):
+                policy = {m: {gemm: recipe} for u in units for m in u.modules}
+                lost = [held_loss(policy, torch.Generator(windows.device).manual_seed(seed))
+                        - exact for seed in range(seeds)]
+                out[gemm] = max(0.0, steps * sum(lost) / len(lost))
+            return out
     finally:
-        for n, module in linears.items():  # the model's own modules again
-            parent, _, leaf = n.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, leaf, module)
         model.load_state_dict(start)
         model.zero_grad(set_to_none=True)
         model.train(was_training)
