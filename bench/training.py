@@ -4,11 +4,15 @@ train-trial of its policy against all-BF16, all-FP4 and NVIDIA's rule from one s
 
     .venv/bin/python -m bench training [--windows 4] [--tokens 256] [--eval-windows 4]
         [--trial-steps 4] [--seeds 2] [--steps 8] [--monitor-every 4] [--recipe nvfp4]
-        [--estimate-only | --no-train-trial]
+        [--estimate-only | --no-train-trial] [--trials-from bench/results/FILE.json]
         [--no-mxfp8] [--no-cache]
         [--out bench/results/training.json]
 
 The analysis uses the fp4sense cache: a run stopped in its trials resumes.
+``--trials-from`` scores the estimate against the trials of an earlier result instead of
+running them again (its command must name the same windows, tokens, seeds, steps and
+held-aside windows; the trials do not depend on the estimate): for a change of the
+estimate alone.
 
 Writes bench/results/training.json (the figures, the wall times, the diagnosis's cost in
 all-BF16 training steps of the trials' batch, timed in the same run) and
@@ -44,6 +48,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="the estimate and the policy only: no trials, no train-trial")
     parser.add_argument("--no-train-trial", action="store_true",
                         help="analyze-training in both modes only: no train-trial arms")
+    parser.add_argument("--trials-from", type=Path, default=None,
+                        help="the trials of an earlier bench training result")
     parser.add_argument("--no-mxfp8", action="store_true",
                         help="the policy picks BF16 or FP4 per GEMM (NVIDIA's rule's menu)")
     parser.add_argument("--no-cache", action="store_true",
@@ -109,17 +115,50 @@ def ceiling(agreement: dict) -> dict:
             for v, r in (agreement or {}).items()}
 
 
+#: what an earlier result's trials must share with this run to be scored against it
+SAME_TRIALS = ("windows", "tokens", "seeds", "trial_steps", "eval_windows", "recipe")
+
+
+def with_trials(result: dict, earlier: dict, args: argparse.Namespace) -> dict:
+    """``result`` (analyze-training, estimated) with the measured rows of ``earlier`` (a
+    bench training result) in its views, and their rank correlations. Refused by name
+    where the earlier command ran its trials on other windows, seeds or steps."""
+    from fp4sense.training.views import rank_correlations, trial_agreement
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    then = parser.parse_known_args(earlier["command"].split("bench training", 1)[-1].split())[0]
+    differ = [k for k in SAME_TRIALS if getattr(then, k) != getattr(args, k)]
+    if differ:
+        sys.exit(f"--trials-from: its trials ran with other {', '.join(differ)} "
+                 f"({', '.join(f'{k}={getattr(then, k)}' for k in differ)}); run them again "
+                 "without --trials-from, or match its command")
+    views = result["views"]
+    for view, key in (("block", "block"), ("component", "kind"), ("gemm", "gemm")):
+        measured = {r[key]: r["measured"] for r in earlier[f"{view}_view"] if "measured" in r}
+        missing = [r[key] for r in views[view] if r[key] not in measured]
+        if missing:
+            sys.exit(f"--trials-from: no trial of {view} {missing[0]} there")
+        for r in views[view]:
+            r["measured"] = measured[r[key]]
+    return {**result, "views": views, "rank_correlation": rank_correlations(views),
+            "trial_agreement": trial_agreement(views)}
+
+
 def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="fp4sense-training-"))
     size = ["--analysis-windows", str(args.windows), "--tokens", str(args.tokens),
             "--seeds", str(args.seeds), "--eval-windows", str(args.eval_windows)]
-    mode = "estimated" if args.estimate_only else "both"
+    mode = "estimated" if args.estimate_only or args.trials_from else "both"
     analysis_s, _ = _timed([FP4SENSE, "analyze-training", *size, "--recipe", args.recipe,
                             "--mode", mode, "--trial-steps", str(args.trial_steps),
                             "--out", str(work / "a"), "--json",
                             *(["--no-cache"] if args.no_cache else []),
                             *(["--no-mxfp8"] if args.no_mxfp8 else [])])
     result = json.loads((work / "a" / "training-sensitivity.json").read_text())
+    if args.trials_from:
+        result = with_trials(result, json.loads(args.trials_from.read_text()), args)
+        mode = "both"
     policy = json.loads((work / "a" / "training-policy.json").read_text())
     trial_s, line, trial = None, None, None
     if not (args.estimate_only or args.no_train_trial):
@@ -131,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
     blocks = result["views"]["block"]
     step_s = bf16_step_s(args.windows, args.tokens)
     out = {"command": command("training", args.argv), "model": result["model"],
+           "trials_from": str(args.trials_from) if args.trials_from else None,
            "recipe": result["recipe"], "analysis_s": round(analysis_s, 1),
            "bf16_step_s": round(step_s, 2),
            "analysis_in_bf16_steps": round(analysis_s / step_s, 1),

@@ -129,3 +129,40 @@ def test_training_ranks_the_estimate_against_the_first_windows_and_bounds_it():
     assert by_windows({"block": rows, "gemm": rows[:2]}, 8) == {"block": {4: -1.0, 8: 1.0}}
     assert ceiling({"block": 0.5, "component": -0.2, "gemm": None}) == {
         "block": round((2 / 3) ** 0.5, 3), "component": None, "gemm": None}
+
+
+def test_training_scores_a_new_estimate_against_the_trials_of_the_same_command():
+    """bench training --trials-from takes an earlier result's measured rows into the new
+    estimate's views, and refuses one whose trials ran on other windows or seeds."""
+    import argparse
+
+    from bench.training import add_args, with_trials
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    args = parser.parse_args(["--seeds", "3", "--eval-windows", "16"])
+
+    def measured(delta, windows):
+        return {"delta": delta, "se": 0.01, "per_window": windows}
+
+    earlier = {"command": "python -m bench training --seeds 3 --eval-windows 16 "
+                          "--no-train-trial --out x.json",
+               "block_view": [{"block": b, "measured": measured(d, [d, d])}
+                              for b, d in ((0, 0.3), (1, 0.1), (2, 0.2))],
+               "component_view": [{"kind": "q", "measured": measured(0.1, [0.1, 0.2])}],
+               "gemm_view": [{"gemm": g, "measured": measured(d, [d, d])}
+                             for g, d in (("fprop", 0.5), ("dgrad", 0.05), ("wgrad", 0.01))]}
+    views = {"block": [{"block": b, "damage": {"total": d}} for b, d in ((0, 3), (1, 1), (2, 2))],
+             "component": [{"kind": "q", "damage": {"total": 1.0}}],
+             "gemm": [{"gemm": g, "damage": d} for g, d in (("fprop", 1), ("dgrad", 0.1),
+                                                           ("wgrad", 0.2))]}
+    out = with_trials({"views": views}, earlier, args)
+    assert out["views"]["block"][0]["measured"]["delta"] == 0.3
+    assert out["rank_correlation"] == {"block": 1.0, "gemm": 0.5}  # one component: no rho
+    assert out["trial_agreement"] == {"block": 1.0, "gemm": 1.0}
+    other = parser.parse_args(["--seeds", "2", "--eval-windows", "16"])
+    with pytest.raises(SystemExit, match="other seeds .seeds=3"):
+        with_trials({"views": views}, earlier, other)
+    views["block"].append({"block": 3, "damage": {"total": 0.5}})
+    with pytest.raises(SystemExit, match="no trial of block 3"):
+        with_trials({"views": views}, earlier, args)
