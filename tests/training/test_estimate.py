@@ -168,6 +168,8 @@ def test_each_kinds_fprop_damage_is_its_measured_forward_cost_shared_by_fisher(f
     assert list(forward) == list(dict.fromkeys(u.kind for u in trained))
     assert {n: type(m) for n, m in model.named_modules()} == modules  # its own modules
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert model.training  # its mode back; the costs are measured in eval mode
+    model.eval()
     with torch.no_grad():  # each kind's fprop alone in NVFP4, every block, the rest exact
         exact = float(model(input_ids=ids, labels=ids).loss)
         for kind, cost in forward.items():
@@ -176,6 +178,7 @@ def test_each_kinds_fprop_damage_is_its_measured_forward_cost_shared_by_fisher(f
             lost = float(model(input_ids=ids, labels=ids).loss) - exact
             assert cost == pytest.approx(max(0.0, lost), abs=1e-6)
             apply_training_policy(model, {})
+    model.train()
     assert any(cost > 0 for cost in forward.values())
     recipe = get_recipe("nvfp4").but(stochastic_rounding=False)
     fisher = estimate_training(model, ids, units, recipe, seeds=1)

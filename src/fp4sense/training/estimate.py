@@ -236,20 +236,26 @@ def forward_stakes(model: torch.nn.Module, windows: torch.Tensor, units,
                    recipe: str | Recipe) -> dict[str, float]:
     """What each unit kind's FP4 forward costs, measured: per kind, the mean training loss
     of ``windows`` with that kind's fprop in ``recipe`` in every block (every other GEMM
-    exact) less the exact loss, at least 0: one forward per kind, no gradients.
-    :func:`estimate_training` shares a kind's cost out to its units by their diagonal
-    Fisher form. That form ranks the units of one kind, but it counts each token's output
-    error alone, so it misjudges kinds against each other (attention's q/k/v reach every
-    later token: on SmolLM2 it rated them twice what the trials measure)."""
+    exact) less the exact loss, at least 0: one forward per kind (in eval mode, no
+    dropout), no gradients. :func:`estimate_training` shares a kind's cost out to its
+    units by their diagonal Fisher form. That form ranks the units of one kind, but it
+    counts each token's output error alone and misjudges kinds against each other (on
+    SmolLM2 it rated q/k/v's forward at twice what the trials measure)."""
     recipe = get_recipe(recipe)
-    with _linears_kept(model), torch.no_grad():
-        exact = float(model(input_ids=windows, labels=windows).loss)
-        out = {}
-        for kind in dict.fromkeys(u.kind for u in units):
-            apply_training_policy(model, {m: {"fprop": recipe} for u in units
-                                          if u.kind == kind for m in u.modules})
-            out[kind] = max(0.0, float(model(input_ids=windows, labels=windows).loss) - exact)
-    return out
+    was_training = model.training
+    model.eval()
+    try:
+        with _linears_kept(model), torch.no_grad():
+            exact = float(model(input_ids=windows, labels=windows).loss)
+            out = {}
+            for kind in dict.fromkeys(u.kind for u in units):
+                apply_training_policy(model, {m: {"fprop": recipe} for u in units
+                                              if u.kind == kind for m in u.modules})
+                lost = float(model(input_ids=windows, labels=windows).loss) - exact
+                out[kind] = max(0.0, lost)
+        return out
+    finally:
+        model.train(was_training)
 
 
 @contextmanager
