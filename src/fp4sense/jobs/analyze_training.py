@@ -108,9 +108,8 @@ def analyze_training(
 
     def estimated(rec, passes):
         stakes = gradient_stakes(hf_model, train, eligible, rec, trial_lr, trial_steps)
-        bar.update()
         forward = forward_stakes(hf_model, train, eligible, rec)
-        bar.update()
+        bar.update(2)
         return {"stakes": stakes, "forward": forward, "units": [
             e.to_dict() for e in estimate_training(hf_model, train, units_map, rec, passes,
                                                    bar.update, stakes, forward)]}
