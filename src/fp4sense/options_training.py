@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 
 from fp4sense import defaults
-from fp4sense.options import _PLACEMENT, Option, windows
+from fp4sense.options import _LOW_MEMORY, _PLACEMENT, Option, windows
 from fp4sense.validate import (
     InputError,
     non_empty,
@@ -85,6 +85,8 @@ ANALYZE_TRAINING: tuple[Option, ...] = (
            flag_default=Path("fp4sense-training")),
     Option("cache", "--no-cache", True, "neither read nor write the cache", switch=True),
     Option("plots", "--no-plots", True, "skip the PNG plots", switch=True),
+    Option("low_memory", "--low-memory", False, _LOW_MEMORY + "; the estimated mode "
+           "only", switch=True),
     *_PLACEMENT,
 )
 

@@ -86,6 +86,29 @@ def test_analyze_training_writes_every_file_and_resumes(analysis, tiny_llama, te
 
 
 @pytest.mark.slow
+def test_low_memory_estimates_block_by_block_with_the_same_figures(analysis, tiny_llama,
+                                                                  text_file, tmp_path):
+    """--low-memory (each block read from the model's files when it runs): the estimate
+    and its stakes are the whole model's (computed anew, no cache), so is the policy."""
+    out, _, _ = analysis
+    proc = _run("analyze-training", tiny_llama, "--text", text_file, *SMALL, "--trial-steps",
+                "2", "--low-memory", "--no-cache", "--out", tmp_path / "lean")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    whole = json.loads((out / "training-sensitivity.json").read_text())
+    lean = json.loads((tmp_path / "lean" / "training-sensitivity.json").read_text())
+    for key in ("gradient_stakes", "forward_stakes"):
+        assert lean[key] == pytest.approx(whole[key], rel=1e-5), key
+    for a, b in zip(whole["units"], lean["units"], strict=True):
+        assert (a["name"], a["kind"]) == (b["name"], b["kind"])
+        for gemm, figures in a["gemms"].items():
+            assert b["gemms"][gemm] == pytest.approx(figures, rel=1e-5), (a["name"], gemm)
+    policy = json.loads((tmp_path / "lean" / "training-policy.json").read_text())
+    assert [(c["unit"], c["gemms"]) for c in policy["choices"]] == [
+        (c["unit"], c["gemms"])
+        for c in json.loads((out / "training-policy.json").read_text())["choices"]]
+
+
+@pytest.mark.slow
 def test_train_trial_prints_its_arms_on_one_line(analysis, tiny_llama, text_file, tmp_path):
     out, _, _ = analysis
     proc = _run("train-trial", tiny_llama, "--policy", out / "training-policy.json",
@@ -149,6 +172,8 @@ def test_bad_training_input_is_one_line_and_loses_nothing(analysis, tiny_llama, 
     assert proc.returncode == 2 and "--bf16-share" in proc.stderr
     one_line(_run("analyze-training", tiny_llama, "--views", "block,layers", "--no-cache",
                   "--out", tmp_path / "v"), 1, "--views", "layers")
+    one_line(_run("analyze-training", tiny_llama, "--low-memory", "--mode", "both",
+                  "--no-cache", "--out", tmp_path / "lm"), 1, "--low-memory", "--mode")
     one_line(_run("analyze-training", tiny_llama, "--text", text_file, *SMALL, "--no-cache",
                   "--step-time-ms", "1e-9", "--out", tmp_path / "t"), 1, "below the least")
     mine = tmp_path / "mine"
@@ -167,6 +192,7 @@ def test_bad_training_input_is_one_line_and_loses_nothing(analysis, tiny_llama, 
     one_line(_run("train-trial", tiny_llama, "--policy", tmp_path / "other.json", "--text",
                   text_file, "--out", tmp_path / "o"), 1, "model.layers.0.attn.wq")
     assert not (tmp_path / "o").exists() and not (tmp_path / "b").exists()
+    assert not (tmp_path / "lm").exists()
 
 
 @pytest.mark.slow

@@ -46,9 +46,11 @@ from fp4sense.training.views import (
     rank_correlations,
     trial_agreement,
 )
+from fp4sense.validate import InputError
 
 __all__ = ["TRAINING_FILES", "analyze_training"]
 
+LOW_MEMORY_INSTEAD = "run analyze-training without --low-memory (the model loaded whole)"
 TRAINING_FILES = ("training-sensitivity.json", "training-policy.json", "report.md",
                   *EXPORTS, "training-block.png", "training-component.png", "training-gemm.png")
 
@@ -75,6 +77,7 @@ def analyze_training(
     out_dir: str | os.PathLike | None = None,
     cache: bool | str | os.PathLike = True,
     plots: bool = True,
+    low_memory: bool = False,
     device: str = "cpu",
     dtype: str | None = None,
     progress: bool = True,
@@ -82,8 +85,14 @@ def analyze_training(
 ) -> dict:
     """``fp4sense analyze-training``: the FP4 training sensitivity of ``model`` under
     ``recipe`` (nvfp4, mxfp4) and its policy; returns training-sensitivity.json's content
-    with the policy under ``"policy"``. ``modes``: estimated and/or measured (trials)."""
+    with the policy under ``"policy"``. ``modes``: estimated and/or measured (trials).
+    ``low_memory``: the estimate streams one block at a time, each read from the model's
+    files when it runs (the same figures; the trials train the whole model: refused)."""
     check(options_training.ANALYZE_TRAINING, locals(), "analyze_training")
+    if low_memory and "measured" in modes:
+        raise InputError("--low-memory streams the estimate only, and the trials (--mode "
+                         "measured or both) train the whole model: run them without "
+                         "--low-memory, or estimate alone (--mode estimated)")
     views = options_training.views_of(views)
     placement = resolve(device, dtype, log=log)
     cache_folder = check_analysis_output(out_dir, cache, local_inputs(
@@ -91,7 +100,8 @@ def analyze_training(
     distributed.init_from_env(placement.device)
     if not distributed.is_main():  # rank 0 speaks for the run
         progress, log = False, (lambda message: None)
-    hf_model, tokenizer, _ = load_model(model, placement.dtype, placement.device)
+    hf_model, tokenizer, _ = load_model(model, placement.dtype, placement.device, low_memory,
+                                        instead=LOW_MEMORY_INSTEAD)
     context = model_context(hf_model.config)
     train = protocol_windows(tokenizer, "calibration", analysis_windows, text, window_tokens,
                              raw_windows, context, log)
@@ -100,23 +110,11 @@ def analyze_training(
     r = get_recipe(recipe)
     settings = [r.name, r.rht, r.stochastic_rounding, r.weight_2d, seeds, trial_steps,
                 trial_lr]
-    store = RunStore(cache_folder, run_key(hf_model, [train], settings))
-    bar = tqdm(total=seeds + 2 + 3 * mxfp8, desc="estimate (passes)", disable=not progress,
-               leave=False)
     skipped = not_eligible(units, r)
-    eligible = [u for u in units if u.name not in skipped]
-
-    def estimated(rec, passes):
-        stakes = gradient_stakes(hf_model, train, eligible, rec, trial_lr, trial_steps)
-        forward = forward_stakes(hf_model, train, eligible, rec)
-        bar.update(2)
-        return {"stakes": stakes, "forward": forward, "units": [
-            e.to_dict() for e in estimate_training(hf_model, train, units_map, rec, passes,
-                                                   bar.update, stakes, forward)]}
-    est = store.get("estimate-v3", lambda: estimated(r, seeds))
-    est8 = store.get("estimate-mxfp8-v3", lambda: estimated(get_recipe("mxfp8"), 1)
-                     ) if mxfp8 else None
-    bar.close()
+    est, est8 = _estimated(hf_model, train, units_map, [u for u in units if u.name not in
+                                                        skipped], r, seeds, trial_lr,
+                           trial_steps, mxfp8, RunStore(cache_folder, run_key(
+                               hf_model, [train], settings)), progress)
     measured = {}
     if "measured" in modes:
         held = protocol_windows(tokenizer, "evaluation", eval_windows, None, window_tokens,
@@ -152,6 +150,27 @@ def analyze_training(
     if out_dir is not None and distributed.is_main():
         _write(Path(out_dir), result, policy, plots, log)
     return result
+
+
+def _estimated(model, train, units_map, eligible, recipe, seeds, lr, steps, mxfp8, store,
+               progress) -> tuple[dict, dict | None]:
+    """The estimate under ``recipe`` (and MXFP8's, for the policy), each with its stakes:
+    cached in ``store``."""
+    bar = tqdm(total=seeds + 2 + 3 * mxfp8, desc="estimate (passes)", disable=not progress,
+               leave=False)
+
+    def estimated(rec, passes):
+        stakes = gradient_stakes(model, train, eligible, rec, lr, steps)
+        forward = forward_stakes(model, train, eligible, rec)
+        bar.update(2)
+        return {"stakes": stakes, "forward": forward, "units": [
+            e.to_dict() for e in estimate_training(model, train, units_map, rec, passes,
+                                                   bar.update, stakes, forward)]}
+    est = store.get("estimate-v3", lambda: estimated(recipe, seeds))
+    est8 = store.get("estimate-mxfp8-v3", lambda: estimated(get_recipe("mxfp8"), 1)
+                     ) if mxfp8 else None
+    bar.close()
+    return est, est8
 
 
 def _bf16(unit) -> UnitEstimate:

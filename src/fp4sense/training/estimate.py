@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +43,7 @@ from fp4sense.numerics.training_linear import (
     gemm_operands,
 )
 from fp4sense.structure.units import UnitMap
+from fp4sense.training.stream import stepped_blocks, streamed_backward
 
 __all__ = ["NSR_LIMIT", "GemmError", "UnitEstimate", "estimate_training", "not_eligible",
            "forward_stakes", "gradient_stakes", "training_units"]
@@ -158,11 +159,17 @@ def estimate_training(model: torch.nn.Module, windows: torch.Tensor, units: Unit
                       recipe: str | Recipe, seeds: int = 2,
                       progress: Callable[[int], None] | None = None,
                       stakes: Mapping[str, float] | None = None,
-                      forward: Mapping[str, float] | None = None) -> list[UnitEstimate]:
+                      forward: Mapping[str, float] | None = None,
+                      streamed: bool | None = None) -> list[UnitEstimate]:
     """The estimate of every unit's three GEMMs under ``recipe`` from ``seeds`` passes over
     ``windows`` (n, T) token ids, one batch (the GEMMs see all n·T tokens, as a training
-    step's). The model's parameters are left as they were (gradients cleared)."""
+    step's). The model's parameters are left as they were (gradients cleared).
+    ``streamed`` (default: when the blocks are read from files, a low-memory model):
+    each pass one block at a time (:mod:`fp4sense.training.stream`), the same figures."""
     recipe = get_recipe(recipe)
+    if streamed is None:
+        streamed = hasattr(model, "fp4sense_blocks")
+    blocks = model.get_submodule(units.blocks_path)
     trained = training_units(units, model)
     skip = not_eligible(trained, recipe)
     trained = [u for u in trained if u.name not in skip]
@@ -179,7 +186,11 @@ def estimate_training(model: torch.nn.Module, windows: torch.Tensor, units: Unit
         for seed in range(seeds):
             draw["generator"] = torch.Generator(windows.device).manual_seed(seed)
             model.zero_grad(set_to_none=True)
-            model(input_ids=windows, labels=windows).loss.backward()
+            if streamed:  # the blocks' gradients are the probes' alone: not kept
+                streamed_backward(model, units.blocks_path, windows,
+                                  lambda i: blocks[i].zero_grad(set_to_none=True))
+            else:
+                model(input_ids=windows, labels=windows).loss.backward()
             if progress:
                 progress(1)
     finally:
@@ -279,24 +290,34 @@ def gradient_stakes(model: torch.nn.Module, windows: torch.Tensor, units, recipe
     step loses when that GEMM of every unit of ``units`` runs in ``recipe`` (mean over
     ``seeds`` draws of stochastic rounding); each times ``steps``, at least 0. One window:
     it is both halves. Memory: a copy of the weights on the CPU, the gradients; no
-    optimizer state (AdamW's first step is ``lr · g / (|g| + eps)``)."""
+    optimizer state (AdamW's first step is ``lr · g / (|g| + eps)``). A low-memory model
+    steps one block at a time, its stepped blocks on disk (:func:`stepped_blocks`)."""
     half = max(1, len(windows) // 2)
     batch, held = windows[:half], windows[half:] if len(windows) > 1 else windows
     start = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     recipe = get_recipe(recipe)
     was_training = model.training
 
+    streamed = hasattr(model, "fp4sense_blocks")
+
+    def step(param, grad):  # AdamW's first step, no moments kept: lr · g / (|g| + eps)
+        return param - lr * grad / (grad.abs() + 1e-8)
+
     def held_loss(policy, generator=None) -> float:
         model.load_state_dict(start)
         apply_training_policy(model, policy, default="bf16", generator=generator)
         model.train()
         model.zero_grad(set_to_none=True)
-        model(input_ids=batch, labels=batch).loss.backward()
-        with torch.no_grad():  # AdamW's first step, no moments kept: lr · g / (|g| + eps)
-            for param in model.parameters():
-                if param.grad is not None:
-                    param -= lr * param.grad / (param.grad.abs() + 1e-8)
-            return float(model(input_ids=held, labels=held).loss)
+        with stepped_blocks(model, step) if streamed else nullcontext() as on_block:
+            if streamed:
+                streamed_backward(model, model.fp4sense_blocks.prefix, batch, on_block)
+            else:
+                model(input_ids=batch, labels=batch).loss.backward()
+            with torch.no_grad():
+                for param in model.parameters():
+                    if param.grad is not None:
+                        param.copy_(step(param, param.grad))
+                return float(model(input_ids=held, labels=held).loss)
 
     try:
         with _linears_kept(model):
