@@ -86,33 +86,35 @@ class UnitEstimate:
 
 
 class _Sums:
-    """One linear's error sums over the seeds."""
+    """One linear's error sums: fprop's once, dgrad's and wgrad's over the seeds' draws.
+    No tensor is kept: a streamed estimate holds one block's."""
 
     def __init__(self):
-        self.fisher = 0.0  # Σ (dy ⊙ ΔY)² over the passes, dy of the mean loss
+        self.fisher = 0.0  # Σ (dy ⊙ ΔY)², dy of the mean loss
         self.err = {"fprop": 0.0, "dgrad": 0.0, "wgrad": 0.0}
         self.ref = {"fprop": 0.0, "dgrad": 0.0, "wgrad": 0.0}
-        self.cos, self.mean_grad, self.exact_grad, self.passes = 0.0, None, None, 0
+        self.cos, self.bias, self.passes = 0.0, 0.0, 0
 
-    def add(self, gemm: str, q: torch.Tensor, r: torch.Tensor) -> None:
-        self.err[gemm] += float((q - r).pow(2).sum())
-        self.ref[gemm] += float(r.pow(2).sum())
+    def add(self, gemm: str, qs: list[torch.Tensor], r: torch.Tensor) -> None:
+        """The GEMM's outputs ``qs`` (one per seed) against the exact one ``r``."""
+        for q in qs:
+            self.err[gemm] += float((q - r).pow(2).sum())
+            self.ref[gemm] += float(r.pow(2).sum())
         if gemm == "wgrad":
-            self.cos += float(torch.nn.functional.cosine_similarity(
-                q.flatten(), r.flatten(), 0))
-            self.mean_grad = q if self.mean_grad is None else self.mean_grad + q
-            self.exact_grad = r
-            self.passes += 1
+            self.cos += sum(float(torch.nn.functional.cosine_similarity(
+                q.flatten(), r.flatten(), 0)) for q in qs)
+            self.bias += float((sum(qs) / len(qs) - r).pow(2).sum())  # what SR leaves
+            self.passes += len(qs)
 
 
 class _Probe(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe, sums, generator):
+    def forward(ctx, x, weight, bias, recipe, sums, generators):
         x2 = x.reshape(-1, x.shape[-1]).float()
         w = weight.float()
         y = torch.nn.functional.linear(x, weight, bias)
         ctx.save_for_backward(x2, w)  # fprop's error is scored in backward, beside dY
-        ctx.recipe, ctx.sums, ctx.generator = recipe, sums, generator
+        ctx.recipe, ctx.sums, ctx.generators = recipe, sums, generators
         ctx.dtypes = (x.dtype, weight.dtype)
         return y
 
@@ -123,11 +125,14 @@ class _Probe(torch.autograd.Function):
         dx, dw = dy @ w, dy.t() @ x2
         qa, qb = gemm_operands("fprop", ctx.recipe, x2, w)
         q, y = qa @ qb.t(), x2 @ w.t()
-        ctx.sums.add("fprop", q, y)
+        ctx.sums.add("fprop", [q], y)
         ctx.sums.fisher += float((dy * (q - y)).pow(2).sum())
-        for gemm, exact in (("dgrad", dx), ("wgrad", dw)):
-            qa, qb = gemm_operands(gemm, ctx.recipe, x2, w, dy, ctx.generator)
-            ctx.sums.add(gemm, (qa @ qb.t())[:, : exact.shape[1]], exact)
+        for gemm, exact in (("dgrad", dx), ("wgrad", dw)):  # each seed its own draws
+            outs = []
+            for g in ctx.generators:
+                qa, qb = gemm_operands(gemm, ctx.recipe, x2, w, dy, g)
+                outs.append((qa @ qb.t())[:, : exact.shape[1]])
+            ctx.sums.add(gemm, outs, exact)
         db = dy.sum(0).to(ctx.dtypes[0]) if ctx.needs_input_grad[2] else None
         return (dx.to(ctx.dtypes[0]).view(grad_out.shape[:-1] + (w.shape[1],)),
                 dw.to(ctx.dtypes[1]), db, None, None, None)
@@ -161,11 +166,12 @@ def estimate_training(model: torch.nn.Module, windows: torch.Tensor, units: Unit
                       stakes: Mapping[str, float] | None = None,
                       forward: Mapping[str, float] | None = None,
                       streamed: bool | None = None) -> list[UnitEstimate]:
-    """The estimate of every unit's three GEMMs under ``recipe`` from ``seeds`` passes over
-    ``windows`` (n, T) token ids, one batch (the GEMMs see all n·T tokens, as a training
-    step's). The model's parameters are left as they were (gradients cleared).
-    ``streamed`` (default: when the blocks are read from files, a low-memory model):
-    each pass one block at a time (:mod:`fp4sense.training.stream`), the same figures."""
+    """The estimate of every unit's three GEMMs under ``recipe`` from one pass over
+    ``windows`` (n, T) token ids with ``seeds`` draws of stochastic rounding, one batch
+    (the GEMMs see all n·T tokens, as a training step's). The model's parameters are left
+    as they were (gradients cleared). ``streamed`` (default: when the blocks are read from
+    files, a low-memory model): the pass one block at a time
+    (:mod:`fp4sense.training.stream`), the same figures."""
     recipe = get_recipe(recipe)
     if streamed is None:
         streamed = hasattr(model, "fp4sense_blocks")
@@ -175,24 +181,24 @@ def estimate_training(model: torch.nn.Module, windows: torch.Tensor, units: Unit
     trained = [u for u in trained if u.name not in skip]
     sums = {m: _Sums() for u in trained for m in u.modules}
     originals = {m: model.get_submodule(m).__dict__.get("forward") for m in sums}
-    draw = {"generator": None}  # this seed's stochastic rounding
+    # every seed's stochastic rounding in one pass: the exact GEMMs flow on, so the seeds
+    # differ only in their draws (each seed's generator draws as a pass of its own would)
+    draws = [torch.Generator(windows.device).manual_seed(seed) for seed in range(seeds)]
     for name, s in sums.items():
         linear = model.get_submodule(name)
 
         def probed(x, linear=linear, s=s):
-            return _Probe.apply(x, linear.weight, linear.bias, recipe, s, draw["generator"])
+            return _Probe.apply(x, linear.weight, linear.bias, recipe, s, draws)
         linear.forward = probed
     try:
-        for seed in range(seeds):
-            draw["generator"] = torch.Generator(windows.device).manual_seed(seed)
-            model.zero_grad(set_to_none=True)
-            if streamed:  # the blocks' gradients are the probes' alone: not kept
-                streamed_backward(model, units.blocks_path, windows,
-                                  lambda i: blocks[i].zero_grad(set_to_none=True))
-            else:
-                model(input_ids=windows, labels=windows).loss.backward()
-            if progress:
-                progress(1)
+        model.zero_grad(set_to_none=True)
+        if streamed:  # the blocks' gradients are the probes' alone: not kept
+            streamed_backward(model, units.blocks_path, windows,
+                              lambda i: blocks[i].zero_grad(set_to_none=True))
+        else:
+            model(input_ids=windows, labels=windows).loss.backward()
+        if progress:
+            progress(seeds)
     finally:
         for name, own in originals.items():  # the class's own forward again
             module = model.get_submodule(name)
@@ -215,14 +221,14 @@ def _collect(trained, sums: dict[str, _Sums], tokens: int, stakes: Mapping[str, 
         for gemm in ("fprop", "dgrad", "wgrad"):
             err, ref = sum(p.err[gemm] for p in parts), sum(p.ref[gemm] for p in parts)
             e.gemms[gemm] = GemmError(math.sqrt(err / ref) if ref else 0.0)
-        e.grad_power = sum(p.ref["wgrad"] for p in parts) / max(parts[0].passes, 1)
+        passes = max(parts[0].passes, 1)
+        e.grad_power = sum(p.ref["wgrad"] for p in parts) / passes
         w = e.gemms["wgrad"]
-        w.cosine = sum(p.cos for p in parts) / (len(parts) * max(parts[0].passes, 1))
-        bias = sum(float((p.mean_grad / p.passes - p.exact_grad).pow(2).sum()) for p in parts)
-        w.bias = math.sqrt(bias / (e.grad_power or 1.0))
-        err_power[u.name] = sum(p.err["wgrad"] for p in parts) / max(parts[0].passes, 1)
+        w.cosine = sum(p.cos for p in parts) / (len(parts) * passes)
+        w.bias = math.sqrt(sum(p.bias for p in parts) / (e.grad_power or 1.0))
+        err_power[u.name] = sum(p.err["wgrad"] for p in parts) / passes
         # per-token gradients are tokens × dy (dy: of the mean loss): ½ Σ (g ⊙ ΔY)² / tokens
-        fisher[u.name] = 0.5 * tokens * sum(p.fisher for p in parts) / max(parts[0].passes, 1)
+        fisher[u.name] = 0.5 * tokens * sum(p.fisher for p in parts)
         out.append(e)
     total = sum(e.grad_power for e in out) or 1.0
     before = 0.0
