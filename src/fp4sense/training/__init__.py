@@ -1,5 +1,6 @@
 """FP4 training: which layers, and which of their GEMMs (fprop, dgrad, wgrad), can train
-in NVFP4 / MXFP4. The estimate from a few forward/backward passes (``estimate``), short
+in NVFP4 / MXFP4. The estimate from a few forward/backward passes (``estimate``; one
+block at a time for a low-memory model, ``stream``), short
 training trials that measure it and the arms that validate a policy (``trials``), the
 block, component and GEMM views with their rank correlation (``views``), the policy under
 a BF16-share or step-time budget (``policy``), its exports for Transformer Engine,
