@@ -122,9 +122,9 @@ def _formats(dev: str, out: Path, results: dict) -> None:
 
 
 def _training(dev: str, out: Path, results: dict) -> None:
-    """analyze-training (estimate and trials per GEMM) on the device and on the CPU, and a
-    short train-trial of its policy on the device: the estimate's figures agree, the
-    arms' losses are finite."""
+    """analyze-training (estimate and trials per GEMM) on the device and on the CPU, its
+    estimate block by block (--low-memory) on the device, and a short train-trial of its
+    policy on the device: the estimate's figures agree, the arms' losses are finite."""
     import math
 
     from fp4sense.api import analyze_training, train_trial
@@ -141,6 +141,14 @@ def _training(dev: str, out: Path, results: dict) -> None:
         worst = max(abs(a[n] - b[n]) / a[n] for n in a)
         results["checks"]["analyze-training: wgrad errors, device vs CPU (relative)"] = (
             worst, worst < 0.05)
+    lean = _step(f"analyze-training --low-memory {dev}", dev, lambda: analyze_training(
+        device=dev, low_memory=True, **{**common, "modes": ["estimated"]}), results)
+    if lean and runs[dev]:  # block by block on the device: the whole model's estimate
+        a, b = ({u["name"]: u["gemms"]["fprop"]["damage"] for u in r["units"]}
+                for r in (runs[dev], lean))
+        worst = max(abs(a[n] - b[n]) / max(abs(a[n]), 1e-12) for n in a)
+        results["checks"]["analyze-training --low-memory vs whole, fprop damage (relative)"] \
+            = (worst, worst < 1e-3)
     trial = _step(f"train-trial {dev}", dev, lambda: train_trial(
         policy=out / f"training-{dev.replace(':', '')}" / "training-policy.json", steps=8,
         analysis_windows=8, eval_windows=4, window_tokens=256, device=dev, dtype="float32",

@@ -43,6 +43,18 @@ def test_the_streamed_backward_gives_the_whole_backwards_gradients(family):
     assert not any("forward" in vars(m) for m in model.modules())  # blocks given back
 
 
+def test_a_router_auxiliary_loss_is_refused_by_name():
+    """MoE models that add the router's auxiliary loss need all blocks' router logits in
+    one graph: refused in one line, not computed without it."""
+    from fp4sense.validate import InputError
+
+    model, ids = _model("qwen3_moe"), _ids(2, 24)
+    model.config.output_router_logits = True
+    with pytest.raises(InputError, match=r"output_router_logits.*without --low-memory"):
+        streamed_backward(model, "model.layers", ids)
+    assert all(p.grad is None for p in model.parameters())
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_a_low_memory_model_gets_the_whole_models_training_estimate(family, assets,
                                                                     tmp_path):

@@ -36,6 +36,7 @@ from fp4sense.diagnosis.blockio import (
     with_hidden,
     with_hidden_input,
 )
+from fp4sense.validate import InputError
 
 __all__ = ["stepped_blocks", "streamed_backward"]
 
@@ -52,6 +53,10 @@ def streamed_backward(model: torch.nn.Module, blocks_path: str, windows: torch.T
     on the model's parameters, computed one block at a time (see the module); returns
     the loss. ``model.fp4sense_blocks`` (a low-memory model's store), where there is one,
     drops each block's weights once ``on_block`` has seen them."""
+    if getattr(model.config, "output_router_logits", False):
+        raise InputError("the router's auxiliary loss (output_router_logits) needs every "
+                         "block's router logits in one graph: it cannot be computed one "
+                         "block at a time; run without --low-memory")
     blocks = model.get_submodule(blocks_path)
     store = getattr(model, "fp4sense_blocks", None)
     calls, last = _kept_calls(model, blocks, windows)
