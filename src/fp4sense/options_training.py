@@ -61,7 +61,7 @@ ANALYZE_TRAINING: tuple[Option, ...] = (
            choices=RECIPES),
     Option("views", "--views", TRAINING_VIEWS, "comma-separated views: component, block, "
            "gemm", non_empty, csv=True, convert=views_of),
-    Option("modes", "--mode", ("estimated",), "estimated (one pass per seed), measured "
+    Option("modes", "--mode", ("estimated",), "estimated (one pass; a draw per seed), measured "
            "(short training trials per block, kind and GEMM), or both", choices=(
                "measured", "estimated", "both"), flag_default="estimated",
            convert=lambda m: ("measured", "estimated") if m == "both" else (m,)),

@@ -1,5 +1,5 @@
 """``fp4sense analyze-training``: which units, blocks and GEMMs of a model can train in
-FP4. Estimates every unit's three GEMMs (one pass per seed), measures short trials per
+FP4. Estimates every unit's three GEMMs (one pass, every seed's draws), measures trials per
 block, component and GEMM where asked, solves the policy under the budget, and writes
 training-sensitivity.json, training-policy.json, the exports, report.md and plots.
 

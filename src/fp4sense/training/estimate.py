@@ -1,7 +1,8 @@
-"""The estimated FP4 training sensitivity: one forward/backward pass per seed, in which
-every unit's linears compute their exact outputs and gradients (what flows on) and, beside
-them, what each of their three GEMMs gives with the recipe's quantized operands. So each
-GEMM's error is measured where it arises, with every other GEMM exact: all units at once.
+"""The estimated FP4 training sensitivity: one forward/backward pass, in which every
+unit's linears compute their exact outputs and gradients (what flows on) and, beside them,
+what each of their three GEMMs gives with the recipe's quantized operands (dgrad and wgrad
+once per seed of stochastic rounding). So each GEMM's error is measured where it arises,
+with every other GEMM exact: all units at once.
 
 Per unit and GEMM (sums over the unit's linears):
 
