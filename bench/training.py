@@ -52,6 +52,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="the trials of an earlier bench training result")
     parser.add_argument("--no-mxfp8", action="store_true",
                         help="the policy picks BF16 or FP4 per GEMM (NVIDIA's rule's menu)")
+    parser.add_argument("--low-memory", action="store_true",
+                        help="analyze-training --low-memory (with --estimate-only or "
+                        "--trials-from: the estimate block by block)")
     parser.add_argument("--no-cache", action="store_true",
                         help="analyze without the fp4sense cache (for its wall time)")
     parser.add_argument("--out", type=Path, default=RESULTS / "training.json",
@@ -154,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
                             "--mode", mode, "--trial-steps", str(args.trial_steps),
                             "--out", str(work / "a"), "--json",
                             *(["--no-cache"] if args.no_cache else []),
+                            *(["--low-memory"] if args.low_memory else []),
                             *(["--no-mxfp8"] if args.no_mxfp8 else [])])
     result = json.loads((work / "a" / "training-sensitivity.json").read_text())
     if args.trials_from:
