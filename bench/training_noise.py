@@ -54,6 +54,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="take the estimate and the trials by block from this result of "
                         "`python -m bench training` (nothing trained again); its trials' "
                         "held-aside text is the first of its per-window losses' count")
+    parser.add_argument("--trials", type=Path, default=None,
+                        help="with --from: the trials by block from this result instead "
+                        "(e.g. an estimate on more windows scored against earlier trials; "
+                        "their training windows may differ, their text is the same split)")
     parser.add_argument("--out", type=Path, default=RESULTS / "training_noise.json")
 
 
@@ -77,7 +81,13 @@ def run(args: argparse.Namespace) -> int:
     if args.source is not None:  # a bench training result: its block view, read back
         source = json.loads(args.source.read_text())
         rows, recipe = source["block_view"], source["recipe"]
-        trial_windows = len(rows[0]["measured"]["per_window"])
+        if args.trials is not None:
+            measured = {r["block"]: r["measured"] for r in json.loads(
+                args.trials.read_text())["block_view"]}
+            rows = [{**r, "measured": measured[r["block"]]} for r in rows]
+        # an estimate-only result has no trials: the figures against them are None
+        trial_windows = len(rows[0]["measured"]["per_window"]) if "measured" in rows[0] \
+            else None
     else:
         result = analyze_training(None, recipe=args.recipe, modes=("estimated", "measured"),
                                   views=("block",), analysis_windows=args.windows,
@@ -117,13 +127,14 @@ def run(args: argparse.Namespace) -> int:
     mean = [sum(forward[b][:n]) / n for b in blocks]
     on_own = [forward[b][n] for b in blocks]
     estimate = [r["damage"]["total"] for r in rows]
-    trial = [r["measured"]["delta"] for r in rows]
+    trial = [r["measured"]["delta"] if "measured" in r else None for r in rows]
+    trials = trial_windows is not None
     between = [_rho(per_chunk[i], per_chunk[j]) for i, j in itertools.combinations(range(n), 2)]
     rest = [sum(forward[b][1:n]) / (n - 1) for b in blocks]
     out = {"command": command("training_noise", args.argv), "model": model_name(model, ""),
            "recipe": recipe, "tokens_per_chunk": args.eval_windows * args.tokens,
            "chunks": n, "estimate_tokens": args.windows * args.tokens,
-           "trials_tokens": trial_windows * args.tokens, "wall_s": round(
+           "trials_tokens": trial_windows * args.tokens if trials else None, "wall_s": round(
                time.perf_counter() - t0, 1),
            "rho_between_chunks": between,
            "rho_between_chunks_mean": round(sum(between) / len(between), 3),
@@ -132,13 +143,13 @@ def run(args: argparse.Namespace) -> int:
            "rho_estimate_vs_forward_other_chunks": _rho(estimate, rest),
            "rho_estimate_vs_forward_own_text": _rho(estimate, on_own),
            "rho_forward_own_text_vs_forward_all_chunks": _rho(on_own, mean),
-           "rho_estimate_vs_trials": _rho(estimate, trial),
-           "rho_trials_vs_forward_trials_chunk": _rho(trial, per_chunk[0]),
-           "rho_trials_vs_forward_other_chunks": _rho(trial, rest),
+           "rho_estimate_vs_trials": _rho(estimate, trial) if trials else None,
+           "rho_trials_vs_forward_trials_chunk": _rho(trial, per_chunk[0]) if trials else None,
+           "rho_trials_vs_forward_other_chunks": _rho(trial, rest) if trials else None,
            "blocks": [{"block": b, "estimate": e, "trial": t, "forward": forward[b][:n],
                        "forward_own_text": forward[b][n]}
                       for b, e, t in zip(blocks, estimate, trial, strict=True)]}
-    if n * args.eval_windows == trial_windows:  # the chunks are the trials' own text
+    if trials and n * args.eval_windows == trial_windows:  # the chunks: the trials' text
         out["rho_trials_vs_forward_trials_text"] = _rho(trial, mean)
     args.out.write_text(json.dumps(out, indent=1))
     print(json.dumps({k: v for k, v in out.items() if k != "blocks"}, indent=1))
