@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
            "rho_estimate_vs_trials": _rho(estimate, trial) if trials else None,
            "rho_trials_vs_forward_trials_chunk": _rho(trial, per_chunk[0]) if trials else None,
            "rho_trials_vs_forward_other_chunks": _rho(trial, rest) if trials else None,
+           "rho_trials_vs_forward_own_text": _rho(trial, on_own) if trials else None,
            "blocks": [{"block": b, "estimate": e, "trial": t, "forward": forward[b][:n],
                        "forward_own_text": forward[b][n]}
                       for b, e, t in zip(blocks, estimate, trial, strict=True)]}
