@@ -9,7 +9,7 @@ it. Results written before 0.6 record ``python bench/NAME.py ...``: the same run
 Experiments: analysis, analysis_memory, bf16_speed, calibration_dtype, gptq_scores,
 import_time, input_clip, moe, moe_serve, paper_estimate, plan_select, plans, qad_backward,
 qad_lr, ranks, rotation, scale_search, scaling, smollm2_moe, stack, stack_table, training,
-training_noise.
+training_noise, training_scaling.
 """
 
 from __future__ import annotations
