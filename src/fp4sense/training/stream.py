@@ -90,6 +90,7 @@ def _kept_calls(model, blocks, windows) -> tuple[list, object]:
     def keep_input(i):
         def hook(module, args, kwargs):
             calls[i] = moved((args, kwargs), _CPU, memo)
+            memo.pop(id(hidden_input(args, kwargs)), None)  # its own: not held on the device
         return hook
 
     def keep_output(module, args, output):
